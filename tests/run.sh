@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The full test suite: library in sync with the notebooks, notebooks clean, pytest, and every notebook executed
+# (nbdev-test, and nbval on output-stripped copies). `gpu`-flagged cells are skipped on machines without CUDA.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export MPLBACKEND=Agg PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false
+
+echo "== notebooks and library in sync (nbdev-export)"
+nbdev-export
+git diff --exit-code --stat -- mini_infer || { echo "mini_infer/ differs from the notebooks: run nbdev-export and commit"; exit 1; }
+
+echo "== notebooks clean (nbdev-clean)"
+nbdev-clean
+git diff --exit-code --stat -- nbs || { echo "notebooks are not clean: run nbdev-clean and commit"; exit 1; }
+
+echo "== notebooks executed (nbdev-test)"
+flags=""; python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" && flags="--flags gpu"
+nbdev-test --n_workers 2 $flags
+
+echo "== notebooks executed (nbval on output-stripped copies)"
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+python tests/strip_notebooks.py nbs "$tmp"
+( cd nbs && pytest -p no:cacheprovider --nbval-lax --rootdir="$tmp" -c "$tmp/conftest.py" "$tmp" -q )
+
+echo "== pytest"
+pytest tests
