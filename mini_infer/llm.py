@@ -3,12 +3,11 @@
 # %% auto #0
 __all__ = ['finish_reason_for', 'TextStream', 'RequestOutput', 'LLM']
 
-# %% ../nbs/01_model.ipynb #be76a5a1
-from __future__ import annotations
+# %% ../nbs/01_model.ipynb #fd514bed
 import os, sys, time
 from dataclasses import dataclass, field
 
-# %% ../nbs/01_model.ipynb #f6b7fcc3
+# %% ../nbs/01_model.ipynb #dbc009a6
 import torch
 from tqdm.auto import tqdm
 from .model import CausalLM, ContiguousKVCache
@@ -16,7 +15,7 @@ from .tokenizer import Tokenizer, IncrementalDetokenizer
 from .sampling import SamplingParams, Sampler, TokenLogprob
 from .loader import load_model
 
-# %% ../nbs/01_model.ipynb #a970aff2
+# %% ../nbs/01_model.ipynb #1f368180
 def finish_reason_for(token_id: int, num_output: int, params: SamplingParams, eos_ids) -> str | None:
     "Why a request ends after emitting `token_id` as its `num_output`-th token, or None if it goes on."
     if (token_id in eos_ids and not params.ignore_eos) or token_id in params.stop_token_ids: return "stop"
@@ -54,7 +53,7 @@ class TextStream:
         delta, self.sent = self.text[self.sent:], len(self.text)
         return delta
 
-# %% ../nbs/01_model.ipynb #b579f754
+# %% ../nbs/01_model.ipynb #c591d189
 @dataclass
 class RequestOutput:
     "The result of one prompt: generated text and token ids, why it stopped, and logprobs when asked."
@@ -114,7 +113,7 @@ class LLM:
             tokens, lps = self.sampler.sample(logits, [params], [gen], [(prompt_ids, out.token_ids)])
             tok = int(tokens[0])
             out.token_ids.append(tok)
-            if lps is not None: out.logprobs.append(lps[0])
+            if out.logprobs is not None: out.logprobs.append(lps[0])
             stream.add([tok])
             out.finish_reason = "stop" if stream.stopped else finish_reason_for(tok, len(out.token_ids), params, self.tokenizer.eos_token_ids)
             if out.finish_reason is None and pos >= cache.max_len: out.finish_reason = "length"

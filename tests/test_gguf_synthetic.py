@@ -1,0 +1,104 @@
+"""Tiny GGUF files written here (random weights in every supported tensor type, a qwen2 or llama architecture, a
+byte-level BPE tokenizer with the `qwen2` pre-tokenizer), loaded by our loader and by transformers' GGUF loading."""
+import numpy as np
+import pytest
+import torch
+import gguf
+from gguf import GGMLQuantizationType as T
+from mini_infer.loader import load_model
+from mini_infer.model import ContiguousKVCache
+from mini_infer.tokenizer import Tokenizer, _byte_alphabet
+
+transformers = pytest.importorskip("transformers")
+
+H, I, HEADS, KV, LAYERS = 256, 512, 4, 2, 2   # rows of 256 so K-quants fit
+TEXTS = ["Hello world, the theory of 12345 things!", "  spaces\tand\nnew lines \n\n", "中文 and 👋🏽 émojis",
+         "<|im_start|>user\nhi<|im_end|>\n", "don't stop 3.14159 it's"]
+# byte-level spelling: ' ' is 'Ġ'; merges are learned pairs in priority order
+MERGES = ["Ġ t", "h e", "Ġt he", "Ġ a", "o r", "Ġ s", "e s", "i n", "Ġ w", "o r", "l d", "Ġw or", "Ġwor ld", "H e", "He l",
+          "Hel l", "Hell o", "Ġthe or", "Ġ 1", "Ġ Ġ", "ĠĠ ĠĠ", "Ċ Ċ", "t h", "th in", "thin g", "thing s", "i t", "' s"]
+TYPES = {"token_embd": T.Q8_0, "attn_q": [T.Q4_0, T.Q4_K], "attn_k": [T.Q4_1, T.Q6_K], "attn_v": [T.F16, T.Q8_0],
+         "attn_output": [T.BF16, T.Q5_K], "ffn_gate": [T.Q4_K, T.Q4_0], "ffn_up": [T.Q6_K, T.F16],
+         "ffn_down": [T.Q5_K, T.Q4_1], "output": T.Q6_K}
+KQUANT_SCALES = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}  # byte offsets of fp16 scales in each block
+
+
+def vocab():
+    toks = list(_byte_alphabet().values())
+    for m in dict.fromkeys(MERGES):
+        if (t := m.replace(" ", "")) not in toks: toks.append(t)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    return toks + specials, [1] * len(toks) + [3] * len(specials)
+
+
+def tensor(rng, shape, qtype):
+    "Random weights in `qtype`, as (data, raw_shape) for GGUFWriter.add_tensor; K-quant blocks get random bytes with sane scales."
+    x = rng.standard_normal(shape).astype(np.float32) * 0.3
+    if qtype == T.F32: return x, None
+    if qtype in KQUANT_SCALES:
+        bsize, bbytes = gguf.GGML_QUANT_SIZES[qtype]
+        b = rng.integers(0, 256, (shape[0], shape[1] // bsize, bbytes), dtype=np.uint8)
+        for off in KQUANT_SCALES[qtype]:
+            b[..., off:off + 2] = (rng.uniform(0.002, 0.01, b.shape[:2]).astype(np.float16)).view(np.uint8).reshape(*b.shape[:2], 2)
+        return b.reshape(shape[0], -1), qtype
+    return gguf.quants.quantize(x, qtype), qtype
+
+
+def write_gguf(path, arch, tied, seed=0):
+    rng = np.random.default_rng(seed)
+    toks, types = vocab()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(LAYERS); w.add_context_length(128); w.add_embedding_length(H); w.add_feed_forward_length(I)
+    w.add_head_count(HEADS); w.add_head_count_kv(KV); w.add_layer_norm_rms_eps(1e-6); w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(H // HEADS)
+    w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("qwen2"); w.add_token_list(toks); w.add_token_types(types)
+    w.add_token_merges(list(dict.fromkeys(MERGES))); w.add_bos_token_id(len(toks) - 3); w.add_eos_token_id(len(toks) - 1)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    V = len(toks)
+    def add(name, shape, qtype):
+        data, raw = tensor(rng, shape, qtype)
+        w.add_tensor(name, data, raw_dtype=raw)
+    add("token_embd.weight", (V, H), TYPES["token_embd"])
+    for l in range(LAYERS):
+        dims = {"attn_q": (H, H), "attn_k": (KV * H // HEADS, H), "attn_v": (KV * H // HEADS, H), "attn_output": (H, H),
+                "ffn_gate": (I, H), "ffn_up": (I, H), "ffn_down": (H, I)}
+        for n, shape in dims.items(): add(f"blk.{l}.{n}.weight", shape, TYPES[n][l])
+        if arch == "qwen2":
+            for n in ("attn_q", "attn_k", "attn_v"): add(f"blk.{l}.{n}.bias", (dims[n][0],), T.F32)
+        for n in ("attn_norm", "ffn_norm"): w.add_tensor(f"blk.{l}.{n}.weight", (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
+    if not tied: add("output.weight", (V, H), TYPES["output"])
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return path
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINI_INFER_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("arch,tied", [("qwen2", False), ("llama", True)])
+def test_synthetic_gguf_matches_transformers(tmp_path, arch, tied):
+    path = write_gguf(tmp_path / f"tiny-{arch}.gguf", arch, tied)
+    ours, tok = load_model(str(path), device="cpu")
+    assert ours.config.attention_bias == (arch == "qwen2") and ours.config.tie_word_embeddings == tied
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == hf_tok.encode(text, add_special_tokens=False), text
+        assert tok.decode(ids, skip_special_tokens=False) == text
+    ids = tok.encode(" ".join(TEXTS))
+    with torch.no_grad(): ref = hf(torch.tensor([ids])).logits[0]
+    got = ours(torch.tensor(ids), torch.arange(len(ids)), ContiguousKVCache(ours.config, len(ids)).prepare(0, len(ids)))
+    assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K])
+def test_dequantize_matches_transformers_kernels(qtype):
+    "gguf-py's numpy dequantization (what we use) against transformers' independent torch kernels."
+    dq = pytest.importorskip("transformers.integrations.gguf.dequant")
+    data, _ = tensor(np.random.default_rng(1), (8, 512), qtype)
+    ref = dq.dequantize(torch.from_numpy(data.reshape(-1).copy()), int(qtype)).reshape(8, 512)
+    np.testing.assert_allclose(gguf.quants.dequantize(data, qtype), ref.numpy(), rtol=1e-6, atol=1e-6)

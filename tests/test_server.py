@@ -1,0 +1,333 @@
+"""The OpenAI-compatible server (chapter 6), tested against real server subprocesses on 127.0.0.1 with the bundled
+SmolLM2-135M, through the `openai` SDK and raw httpx. Offline `LLM.generate` is the oracle for what the server must answer."""
+import asyncio, json, os, socket, subprocess, sys, time
+
+import httpx
+import pytest
+from openai import AsyncOpenAI, OpenAI, APIStatusError
+from prometheus_client.parser import text_string_to_metric_families
+
+from mini_infer.llm import LLM
+from mini_infer.sampling import SamplingParams
+import mini_infer.engine  # noqa: F401  (LLM.generate on the batching engine)
+
+MODEL = "smollm2-135m"
+MSGS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
+
+
+def _start(tmp_path_factory, **kw):
+    "Start `serve(...)` in a subprocess and wait for /health; yields the base URL."
+    port, logdir = _free_port(), tmp_path_factory.mktemp("server")
+    args = ", ".join(f"{k}={v!r}" for k, v in dict(model=MODEL, port=port, log_level="warning", **kw).items())
+    log = open(logdir / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-c", f"from mini_infer.server import serve; serve({args})"],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "MINI_INFER_API_KEY": ""})
+    url, t0 = f"http://127.0.0.1:{port}", time.time()
+    while True:
+        if proc.poll() is not None: raise RuntimeError("server exited:\n" + (logdir / "server.log").read_text())
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200: break
+        except httpx.HTTPError: pass
+        if time.time() - t0 > 180: proc.kill(); raise RuntimeError("server did not start:\n" + (logdir / "server.log").read_text())
+        time.sleep(0.2)
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc, url = _start(tmp_path_factory, max_num_seqs=64)
+    yield url
+    proc.terminate(); proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server): return OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def llm(): return LLM(MODEL)
+
+
+def greedy(n): return SamplingParams(temperature=0, max_tokens=n)
+
+COLORS = "The three primary colors are"
+SEEDED = "Once upon a time"
+CONCURRENT = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(32)]
+
+
+@pytest.fixture(scope="module")
+def ref(llm):
+    "Every offline reference the tests need, from one batched `LLM.generate` call."
+    jobs = {"chat": (llm.tokenizer.encode_chat(MSGS), greedy(8)), "colors": (COLORS, greedy(12)),
+            **{f"seeded{i}": (SEEDED, SamplingParams(temperature=1.0, seed=7 + i, max_tokens=8)) for i in range(3)},
+            **{f"q{i}": (p, greedy(8)) for i, p in enumerate(CONCURRENT)}}
+    outs = llm.generate([p for p, _ in jobs.values()], [sp for _, sp in jobs.values()])
+    return dict(zip(jobs, outs))
+
+
+def metrics(url) -> dict:
+    "/metrics parsed by prometheus_client: {sample name (+ sorted labels): value}."
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in fam.samples: out[s.name + ("" if not s.labels else str(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(server + "/health").status_code == 200
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_chat(client, llm, ref):
+    ref = ref["chat"]
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=8, temperature=0)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.text and r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == len(llm.tokenizer.encode_chat(MSGS)) == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref.token_ids) and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_stream(client, ref):
+    ref = ref["chat"]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=8, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [ref.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_sse_wire_format(server):
+    with httpx.stream("POST", server + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [l for l in r.iter_lines() if l]
+    assert all(l.startswith("data: ") for l in lines) and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(l[6:]) for l in lines[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_completions_text_and_token_ids(client, ref):
+    prompt, ref = COLORS, ref["colors"]
+    by_text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ref.prompt_token_ids, max_tokens=12, temperature=0)
+    for r in (by_text, by_ids):
+        assert r.choices[0].text == ref.text and r.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert r.usage.completion_tokens == len(ref.token_ids)
+    stream = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in stream if c.choices) == ref.text
+
+
+def test_n_and_seed(client, ref):
+    prompt = SEEDED
+    r1 = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=7, n=3)
+    r2 = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=7, n=3)
+    assert [c.index for c in r1.choices] == [0, 1, 2]
+    assert [c.text for c in r1.choices] == [c.text for c in r2.choices]  # reproducible
+    ref = [ref[f"seeded{i}"] for i in range(3)]
+    assert [c.text for c in r1.choices] == [o.text for o in ref]  # choice i is seeded with seed + i
+    assert r1.usage.prompt_tokens == len(ref[0].prompt_token_ids)  # the prompt counts once
+    assert r1.usage.completion_tokens == sum(len(o.token_ids) for o in ref)
+    # streaming n > 1: every choice index streams and finishes
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, temperature=1.0, seed=1, n=2, stream=True))
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1]
+
+
+def test_stop(client, ref):
+    prompt, full = COLORS, ref["colors"].text
+    stop = full.strip().split()[2]  # a word in the middle of the greedy answer
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop, "zzz"])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == full[:full.index(stop)]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=stop)
+    assert r.choices[0].text == full[:full.index(stop)]
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.logprob <= 0
+        tops = [x.logprob for x in t.top_logprobs]
+        assert tops == sorted(tops, reverse=True) and abs(tops[0] - t.logprob) < 1e-4  # greedy picks the top token
+        assert t.token == t.top_logprobs[0].token and bytes(t.bytes).decode(errors="replace") == t.token
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == r.usage.completion_tokens
+    assert all(1 <= len(d) <= 2 for d in lp.top_logprobs)
+    plain = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_concurrent_greedy_clients_match_offline(server, ref):
+    prompts, outs = CONCURRENT, [ref[f"q{i}"] for i in range(32)]
+    ref = [o.text for o in outs]
+    before = metrics(server)
+
+    async def one(c, p):
+        text = ""
+        async for ch in await c.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0, stream=True):
+            if ch.choices: text += ch.choices[0].text
+        return text
+
+    async def main():
+        async with AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0) as c:
+            return await asyncio.gather(*[one(c, p) for p in prompts])
+    got = asyncio.run(main())
+    assert got == ref
+    after = metrics(server)
+    gen = after["mini_infer_generation_tokens_total"] - before["mini_infer_generation_tokens_total"]
+    steps = after["mini_infer_engine_steps_total"] - before["mini_infer_engine_steps_total"]
+    assert gen == sum(len(o.token_ids) for o in outs) and gen / steps > 4  # clients shared forward passes
+
+
+def _wait_idle(url, timeout=20):
+    t0 = time.time()
+    while True:
+        m = metrics(url)
+        if m["mini_infer_num_requests_running"] == 0 and m["mini_infer_num_requests_waiting"] == 0: return m
+        assert time.time() - t0 < timeout, m
+        time.sleep(0.05)
+
+
+def test_disconnect_frees_blocks(server):
+    base = _wait_idle(server)
+    body = {"prompt": "Count from one to one thousand:", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 6: break
+        assert metrics(server)["mini_infer_kv_blocks_used"] > base["mini_infer_kv_blocks_used"]
+    m = _wait_idle(server)
+    assert m["mini_infer_kv_blocks_used"] == base["mini_infer_kv_blocks_used"]
+    aborted = "mini_infer_request_success_total[('finished_reason', 'abort')]"
+    assert m[aborted] == base[aborted] + 1
+    # non-streaming client that times out and goes away is aborted too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    m = _wait_idle(server)
+    assert m["mini_infer_kv_blocks_used"] == base["mini_infer_kv_blocks_used"] and m[aborted] == base[aborted] + 2
+
+
+_CHAT = {"messages": MSGS, "max_tokens": 2}
+BAD = [  # (path, body, status, param)
+    ("/v1/chat/completions", {**_CHAT, "temperature": 2.5}, 400, "temperature"),
+    ("/v1/chat/completions", {**_CHAT, "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/chat/completions", {**_CHAT, "stop": 5}, 400, "stop"),
+    ("/v1/chat/completions", b"{not json", 400, None),
+    ("/v1/chat/completions", b"[1, 2]", 400, None),
+    ("/v1/chat/completions", b"", 400, None),
+    ("/v1/chat/completions", {**_CHAT, "max_tokens": "10"}, 400, "max_tokens"),
+    ("/v1/chat/completions", {**_CHAT, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {**_CHAT, "temperature": -1}, 400, "temperature"),
+    ("/v1/chat/completions", {**_CHAT, "top_p": 2}, 400, "top_p"),
+    ("/v1/chat/completions", {**_CHAT, "n": 0}, 400, "n"),
+    ("/v1/chat/completions", {**_CHAT, "stream": "yes"}, 400, "stream"),
+    ("/v1/chat/completions", {**_CHAT, "model": "gpt-4o"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"max_tokens": 2}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, None),
+    ("/v1/chat/completions", {**_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {**_CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {**_CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {**_CHAT, "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {**_CHAT, "temprature": 0.5}, 400, "temprature"),
+    ("/v1/chat/completions", {**_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {**_CHAT, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {**_CHAT, "max_tokens": 100_000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 9}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1] * 9000}, 400, "prompt"),
+    ("/v1/completions", {"max_tokens": 2}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{i}-{p.split('/')[-1]}" for i, (p, *_) in enumerate(BAD)])
+def test_bad_requests(server, path, body, status, param):
+    r = httpx.post(server + path, content=body if isinstance(body, bytes) else json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["type"]
+    if param: assert err["param"] == param, err
+    if body == {"prompt": [1] * 9000}: assert err["code"] == "context_length_exceeded"
+
+
+def test_bad_requests_do_not_hurt(server, client):
+    with pytest.raises(APIStatusError) as e:
+        client.chat.completions.create(model=MODEL, messages=MSGS, temperature=5.0, max_tokens=2)
+    assert e.value.status_code == 400 and "temperature" in e.value.message
+    r = httpx.get(server + "/v1/nope")
+    assert r.status_code == 404 and "error" in r.json()
+    assert httpx.get(server + "/v1/chat/completions").status_code == 405
+    big = {"prompt": "x" * (3 * 2**20)}
+    assert httpx.post(server + "/v1/completions", json=big).status_code == 413
+
+    def chunks():  # no Content-Length: the limit is enforced on what arrives
+        for _ in range(40): yield b"x" * 2**16
+    r = httpx.post(server + "/v1/completions", content=chunks())
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text  # still serving
+    assert httpx.get(server + "/health").status_code == 200
+
+
+def test_metrics(server):
+    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(server + "/metrics").text)}
+    for name in ["num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_free", "num_preemptions",
+                 "prompt_tokens", "generation_tokens", "engine_steps", "request_success",
+                 "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"]:
+        assert "mini_infer_" + name in fams, name
+    assert fams["mini_infer_time_to_first_token_seconds"].type == "histogram" and fams["mini_infer_generation_tokens"].type == "counter"
+    assert fams["mini_infer_num_requests_running"].type == "gauge"
+    s = {x.name + str(sorted(x.labels.items())): x.value for f in fams.values() for x in f.samples}
+    assert s["mini_infer_time_to_first_token_seconds_count[]"] > 0 and s["mini_infer_inter_token_latency_seconds_count[]"] > 0
+    assert s["mini_infer_time_to_first_token_seconds_bucket[('le', '+Inf')]"] == s["mini_infer_time_to_first_token_seconds_count[]"]
+    assert s["mini_infer_request_success_total[('finished_reason', 'length')]"] > 0
+    assert s["mini_infer_generation_tokens_total[]"] > 0 and s["mini_infer_prompt_tokens_total[]"] > 0
+
+
+@pytest.fixture(scope="module")
+def auth_server(tmp_path_factory):
+    proc, url = _start(tmp_path_factory, api_key="sekrit", max_num_seqs=1, max_waiting=2)
+    yield url
+    proc.terminate(); proc.wait(timeout=30)
+
+
+def test_api_key(auth_server):
+    assert httpx.get(auth_server + "/health").status_code == 200  # open
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+        r = httpx.post(auth_server + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(auth_server + "/v1/models", headers=headers).status_code == 401
+    ok = OpenAI(base_url=auth_server + "/v1", api_key="sekrit", max_retries=0)
+    assert ok.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+    with pytest.raises(APIStatusError) as e:
+        OpenAI(base_url=auth_server + "/v1", api_key="nope", max_retries=0).models.list()
+    assert e.value.status_code == 401
+
+
+def test_full_queue_answers_429(auth_server):
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as c:
+            body = {"prompt": "Tell me a story", "max_tokens": 12, "ignore_eos": True}
+            return await asyncio.gather(*[c.post(auth_server + "/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"})
+                                          for _ in range(10)])
+    rs = asyncio.run(main())
+    codes = sorted(r.status_code for r in rs)
+    assert 200 in codes and 429 in codes and set(codes) == {200, 429}, codes
+    err = next(r for r in rs if r.status_code == 429).json()["error"]
+    assert err["type"] == "rate_limit_error"
+    assert httpx.post(auth_server + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                      headers={"Authorization": "Bearer sekrit"}).status_code == 200
