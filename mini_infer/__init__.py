@@ -19,7 +19,7 @@ def __getattr__(name):
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/index.ipynb #2d59bce9
+# %% ../nbs/index.ipynb #0cd7905c
 __version__ = "0.1.0"
 
 # The public API, imported on first use so that `import mini_infer` stays light (and nbdev's export never needs torch).

@@ -3,18 +3,18 @@
 # %% auto #0
 __all__ = ['WORDS', 'random_prompts', 'load_prompts', 'RequestResult', 'stream_completion', 'summarize', 'format_table', 'bench', 'run_bench_serve', 'sweep', 'plot_latency_throughput']
 
-# %% ../nbs/06_server.ipynb #e85f9365
+# %% ../nbs/06_server.ipynb #f85d7ea7
 import asyncio, json, math, random, time
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
-# %% ../nbs/06_server.ipynb #b15cbd23
+# %% ../nbs/06_server.ipynb #99dcee9a
 import httpx
 import numpy as np
 import matplotlib.pyplot as plt
 from .server import run_sync
 
-# %% ../nbs/06_server.ipynb #0b9c7cb0
+# %% ../nbs/06_server.ipynb #749f65c2
 WORDS = ("time year people way day man thing woman life child world school state family student group country problem hand "
          "part place case week company system program question work government number night point home water room mother area "
          "money story fact month lot right study book eye job word business issue side kind head house service friend father "
@@ -34,7 +34,7 @@ def load_prompts(path) -> list[str]:
     if path.endswith(".jsonl"): return [json.loads(l)["prompt"] for l in text.splitlines() if l.strip()]
     return [l for l in text.splitlines() if l.strip()]
 
-# %% ../nbs/06_server.ipynb #f525d6e2
+# %% ../nbs/06_server.ipynb #db657543
 @dataclass
 class RequestResult:
     "What one benchmark request measured (seconds)."
@@ -75,7 +75,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, hea
     if not res.ok: res.error = "no tokens received"
     return res
 
-# %% ../nbs/06_server.ipynb #317a0b0a
+# %% ../nbs/06_server.ipynb #2251c46d
 def _stats_ms(xs) -> dict:
     if not len(xs): return {k: float("nan") for k in ("mean", "p50", "p90", "p95", "p99")}
     a = np.asarray(xs) * 1000
@@ -107,7 +107,9 @@ def format_table(s: dict) -> str:
             ("output token throughput (tok/s)", f"{s['output_token_throughput']:.1f}"),
             ("total token throughput (tok/s)", f"{s['total_token_throughput']:.1f}"),
             ("mean prompt / output tokens", f"{s['mean_prompt_tokens']:.1f} / {s['mean_output_tokens']:.1f}")]
-    if "goodput" in s: rows.append((f"goodput (req/s, SLO {s['slo']})", f"{s['goodput']:.2f}"))
+    if "goodput" in s:
+        slo = ", ".join(f"{k.split('_')[0].upper()} <= {v} ms" for k, v in s["slo"].items() if v is not None)
+        rows.append((f"goodput (req/s, {slo})", f"{s['goodput']:.2f}"))
     w = max(len(k) for k, _ in rows)
     lines = [f"{k:<{w}}  {v}" for k, v in rows]
     lines.append(f"{'latency (ms)':<{w}}  {'mean':>9} {'p50':>9} {'p90':>9} {'p95':>9} {'p99':>9}")
@@ -116,7 +118,7 @@ def format_table(s: dict) -> str:
     if "first_error" in s: lines.append(f"first error: {s['first_error']}")
     return "\n".join(lines)
 
-# %% ../nbs/06_server.ipynb #20f525a7
+# %% ../nbs/06_server.ipynb #181f4143
 def _base_url(url: str) -> str: return url.rstrip("/").removesuffix("/v1")
 
 async def bench(url: str, model: str | None, prompts: list[str], output_len: int, request_rate: float = math.inf,
@@ -158,7 +160,7 @@ def run_bench_serve(url: str = "http://127.0.0.1:8000", model: str | None = None
     if save_json: Path(save_json).write_text(json.dumps(s, indent=2))
     return s
 
-# %% ../nbs/06_server.ipynb #b318bf39
+# %% ../nbs/06_server.ipynb #35c5d71c
 def sweep(rates, url: str = "http://127.0.0.1:8000", save_json: str | None = None, **kw) -> list[dict]:
     "Run `run_bench_serve` at each request rate; the summaries make a latency-throughput curve."
     out = []
@@ -179,4 +181,5 @@ def plot_latency_throughput(summaries: list[dict], ax=None):
         a.plot(x, p50, "o-", label="p50"); a.fill_between(x, p50, p90, alpha=0.2, label="p50–p90")
         for xi, yi, s in zip(x, p50, summaries): a.annotate(f"{s['config']['request_rate']}/s", (xi, yi), fontsize=7, xytext=(3, 3), textcoords="offset points")
         a.set(xlabel="output throughput (tok/s)", ylabel=f"{m.upper()} (ms)", title=f"{m.upper()} vs throughput"); a.legend(fontsize=7)
+    if fig is not None: fig.tight_layout()
     return axs

@@ -3,11 +3,11 @@
 # %% auto #0
 __all__ = ['ModelRunner', 'EngineConfig', 'StepOutput', 'StepTrace', 'LLMEngine', 'run_to_completion', 'PaddedBatchCache', 'generate_static']
 
-# %% ../nbs/03_continuous_batching.ipynb #b641eee9
+# %% ../nbs/03_continuous_batching.ipynb #b190a931
 import time, uuid
 from dataclasses import dataclass, field, fields
 
-# %% ../nbs/03_continuous_batching.ipynb #ab4232d7
+# %% ../nbs/03_continuous_batching.ipynb #35f6c756
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
@@ -18,7 +18,7 @@ from .paged_cache import BlockAllocator, BlockTable, PagedKVCache, plan_memory
 from .scheduler import Sequence, SeqStatus, Scheduler, SchedulerConfig, ScheduledStep
 from .llm import LLM, RequestOutput, TextStream, finish_reason_for, _as_prompt_list
 
-# %% ../nbs/03_continuous_batching.ipynb #c4800929
+# %% ../nbs/03_continuous_batching.ipynb #35f83290
 class ModelRunner:
     "Packs a step's work into flat tensors, runs the model once, returns the rows to sample and their logits."
     def __init__(self, model: CausalLM, cache: PagedKVCache):
@@ -40,7 +40,7 @@ class ModelRunner:
         for seq, n in work: seq.num_computed += n
         return sample_rows, logits
 
-# %% ../nbs/03_continuous_batching.ipynb #79200a5c
+# %% ../nbs/03_continuous_batching.ipynb #5fed23f1
 @dataclass
 class EngineConfig(SchedulerConfig):
     "Scheduler limits plus the KV pool: `num_blocks` directly, or a memory budget to derive it from."
@@ -74,7 +74,7 @@ class StepTrace:
     seconds: float
     work: list[tuple[str, int, bool]] = field(default_factory=list)  # (request id, tokens, is decode)
 
-# %% ../nbs/03_continuous_batching.ipynb #28e61bc2
+# %% ../nbs/03_continuous_batching.ipynb #94e8126d
 class LLMEngine:
     "Continuous batching over a paged KV cache: `add_request`, then `step()` until `has_unfinished()` is False."
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None, **kwargs):
@@ -167,7 +167,7 @@ class LLMEngine:
                     kv_blocks_used=self.allocator.num_used, kv_blocks_free=self.allocator.num_free,
                     kv_blocks_total=self.allocator.num_blocks, preemptions_total=self.scheduler.num_preemptions, **self.counters)
 
-# %% ../nbs/03_continuous_batching.ipynb #6f04b1f4
+# %% ../nbs/03_continuous_batching.ipynb #d5d9f2d4
 def _llm_engine(self: LLM) -> LLMEngine:
     "The LLM's engine, built on first use with the engine options given to `LLM(...)`."
     if getattr(self, "_engine", None) is None: self._engine = LLMEngine(self.model, self.tokenizer, EngineConfig(**self.engine_kwargs))
@@ -203,7 +203,7 @@ def _llm_generate(self: LLM, prompts, params: SamplingParams | list[SamplingPara
 LLM.engine = property(_llm_engine)
 LLM.generate = _llm_generate
 
-# %% ../nbs/03_continuous_batching.ipynb #30a8e6c5
+# %% ../nbs/03_continuous_batching.ipynb #f776d8b9
 class PaddedBatchCache:
     "B left-padded sequences in contiguous [B, max_len] buffers; attention masks the padding (static batching)."
     def __init__(self, cfg, batch: int, max_len: int, device=None, dtype=torch.float32):

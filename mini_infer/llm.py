@@ -3,11 +3,11 @@
 # %% auto #0
 __all__ = ['finish_reason_for', 'TextStream', 'RequestOutput', 'LLM']
 
-# %% ../nbs/01_model.ipynb #fd514bed
+# %% ../nbs/01_model.ipynb #796e9d1f
 import os, sys, time
 from dataclasses import dataclass, field
 
-# %% ../nbs/01_model.ipynb #dbc009a6
+# %% ../nbs/01_model.ipynb #dfc0bea7
 import torch
 from tqdm.auto import tqdm
 from .model import CausalLM, ContiguousKVCache
@@ -15,7 +15,7 @@ from .tokenizer import Tokenizer, IncrementalDetokenizer
 from .sampling import SamplingParams, Sampler, TokenLogprob
 from .loader import load_model
 
-# %% ../nbs/01_model.ipynb #1f368180
+# %% ../nbs/01_model.ipynb #62456a4f
 def finish_reason_for(token_id: int, num_output: int, params: SamplingParams, eos_ids) -> str | None:
     "Why a request ends after emitting `token_id` as its `num_output`-th token, or None if it goes on."
     if (token_id in eos_ids and not params.ignore_eos) or token_id in params.stop_token_ids: return "stop"
@@ -53,7 +53,7 @@ class TextStream:
         delta, self.sent = self.text[self.sent:], len(self.text)
         return delta
 
-# %% ../nbs/01_model.ipynb #c591d189
+# %% ../nbs/01_model.ipynb #8ab35526
 @dataclass
 class RequestOutput:
     "The result of one prompt: generated text and token ids, why it stopped, and logprobs when asked."
@@ -78,7 +78,7 @@ class LLM:
     "Load a model by name and generate from it: `LLM('smollm2-135m').generate('Hello', SamplingParams(max_tokens=8))`."
     def __init__(self, model: str | None = None, device=None, dtype=None, **engine_kwargs):
         self.model, self.tokenizer = load_model(model, device=device, dtype=dtype)
-        self.model_name = model or getattr(self.model, "name_or_path", "default")
+        self.model_name = self.model.name_or_path
         self.engine_kwargs = engine_kwargs
         self.sampler = Sampler()
 

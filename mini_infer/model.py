@@ -8,17 +8,17 @@ Docs: https://mini-infer.github.io/mini-infer/model.html.md"""
 __all__ = ['SUPPORTED_ARCHITECTURES', 'ModelConfig', 'RMSNorm', 'rope_frequencies', 'RotaryEmbedding', 'apply_rope', 'KVCache',
            'causal_attention', 'ContiguousKVCache', 'Attention', 'MLP', 'DecoderLayer', 'Decoder', 'CausalLM']
 
-# %% ../nbs/01_model.ipynb #f7b9a2db
+# %% ../nbs/01_model.ipynb #7f29dec5
 import json, math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-# %% ../nbs/01_model.ipynb #0c6c3ac2
+# %% ../nbs/01_model.ipynb #74e5f892
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# %% ../nbs/01_model.ipynb #332e0aa1
+# %% ../nbs/01_model.ipynb #79653564
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 
 @dataclass
@@ -70,7 +70,7 @@ class ModelConfig:
         e = self.eos_token_id
         return [] if e is None else [e] if isinstance(e, int) else list(e)
 
-# %% ../nbs/01_model.ipynb #93e420d2
+# %% ../nbs/01_model.ipynb #737edeb4
 class RMSNorm(nn.Module):
     "Root-mean-square norm with a learned gain, computed in float32."
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -81,7 +81,7 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
-# %% ../nbs/01_model.ipynb #b242b996
+# %% ../nbs/01_model.ipynb #bc612f19
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     "Inverse frequencies of the rotary embedding, with Llama-3 scaling when the config asks for it."
     d = cfg.head_dim
@@ -118,7 +118,7 @@ def apply_rope(x, cos, sin):
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
-# %% ../nbs/01_model.ipynb #5ae14b60
+# %% ../nbs/01_model.ipynb #46fcdcb3
 class KVCache:
     "What attention needs from a cache. `attend` stores this step's k/v and returns attention over the whole context."
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -156,7 +156,7 @@ class ContiguousKVCache(KVCache):
         self.v[layer, self.start:self.end] = v
         return causal_attention(q, self.k[layer, :self.end], self.v[layer, :self.end], self.start)
 
-# %% ../nbs/01_model.ipynb #c68c671f
+# %% ../nbs/01_model.ipynb #fb3799bb
 class Attention(nn.Module):
     "Grouped-query self-attention with rotary embeddings; K/V go through the cache."
     def __init__(self, cfg: ModelConfig, layer_idx: int):
@@ -197,7 +197,7 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-# %% ../nbs/01_model.ipynb #53f31bc7
+# %% ../nbs/01_model.ipynb #c11376cb
 class Decoder(nn.Module):
     "Embedding, decoder layers and final norm."
     def __init__(self, cfg: ModelConfig):

@@ -7,14 +7,14 @@ Docs: https://mini-infer.github.io/mini-infer/server.html.md"""
 # %% auto #0
 __all__ = ['log', 'UNSUPPORTED', 'APIError', 'StreamOptions', 'ContentPart', 'ChatMessage', 'ChatCompletionRequest',
            'CompletionRequest', 'parse_request', 'sampling_params', 'Histogram', 'Metrics', 'Sink', 'AsyncEngine',
-           'chat_logprobs', 'completion_logprobs', 'usage', 'sse', 'build_app', 'serve', 'free_port', 'ServerThread',
-           'run_sync']
+           'chat_logprobs', 'completion_logprobs', 'usage', 'sse', 'Generation', 'build_app', 'serve', 'free_port',
+           'ServerThread', 'run_sync']
 
-# %% ../nbs/06_server.ipynb #edf704e3
+# %% ../nbs/06_server.ipynb #e33e491d
 import asyncio, collections, concurrent.futures, hmac, json, logging, math, os, socket, threading, time, uuid
 from typing import Literal
 
-# %% ../nbs/06_server.ipynb #f4b508ac
+# %% ../nbs/06_server.ipynb #665147cf
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -24,7 +24,7 @@ from .sampling import SamplingParams
 from .llm import LLM
 from .engine import LLMEngine  # also gives LLM its `.engine`
 
-# %% ../nbs/06_server.ipynb #f5c9e6e0
+# %% ../nbs/06_server.ipynb #2a82eda4
 log = logging.getLogger("mini_infer.server")
 
 class APIError(Exception):
@@ -35,7 +35,7 @@ class APIError(Exception):
 
     def body(self) -> dict: return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-# %% ../nbs/06_server.ipynb #aece7af8
+# %% ../nbs/06_server.ipynb #4fbe039a
 UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format", "logit_bias",
                "suffix", "echo", "best_of", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
                "store", "metadata", "service_tier"}
@@ -55,7 +55,7 @@ class _GenerationRequest(BaseModel):
     min_p: float | None = None
     n: int = Field(1, ge=1, le=64)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = None
@@ -87,7 +87,7 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)
 
-# %% ../nbs/06_server.ipynb #96e0c941
+# %% ../nbs/06_server.ipynb #e6241e97
 def _is_type_tag(p) -> bool:
     "Pydantic puts union members ('str', 'list[int]', 'function-after[...]') in error locations; they are not parameters."
     return isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p)
@@ -108,7 +108,7 @@ def parse_request(cls: type[BaseModel], body: bytes) -> BaseModel:
         raise APIError(400, f"Unrecognized request argument supplied: {k}", param=k)
     return req
 
-# %% ../nbs/06_server.ipynb #b8ac5f4e
+# %% ../nbs/06_server.ipynb #917f54d4
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 def sampling_params(req: _GenerationRequest, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
@@ -119,7 +119,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int, logprobs: int | No
         param = next((f for f in (*_SAMPLING_FIELDS, "max_tokens", "stop", "seed", "logprobs") if f in str(e)), None)
         raise APIError(400, str(e), param=param) from None
 
-# %% ../nbs/06_server.ipynb #38c6bdd0
+# %% ../nbs/06_server.ipynb #ab4f3622
 class Histogram:
     "Cumulative-bucket histogram, as Prometheus wants it."
     def __init__(self, buckets): self.buckets, self.counts, self.sum, self.count = list(buckets), [0] * len(buckets), 0.0, 0
@@ -170,7 +170,7 @@ class Metrics:
                 out += [f'{p}{name}_bucket{{le="+Inf"}} {h.count}', f"{p}{name}_sum {h.sum}", f"{p}{name}_count {h.count}"]
         return "\n".join(out) + "\n"
 
-# %% ../nbs/06_server.ipynb #d24e972c
+# %% ../nbs/06_server.ipynb #959ccb5e
 class Sink:
     "An asyncio queue that the engine thread can feed: items are (tag, StepOutput or Exception)."
     def __init__(self): self.loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
@@ -260,7 +260,7 @@ class AsyncEngine:
             self.engine.abort(rid); r.sink.put(r.tag, RuntimeError(f"engine failure: {exc}"))
         self._routes.clear()
 
-# %% ../nbs/06_server.ipynb #fb98c34c
+# %% ../nbs/06_server.ipynb #1a0a53b9
 def _lp(x: float) -> float: return max(float(x), -9999.0) if not math.isnan(x) else -9999.0
 
 def _token_str(tok, i: int) -> str: return tok.decode([i], skip_special_tokens=False)
@@ -282,7 +282,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def sse(obj) -> str: return f"data: {json.dumps(obj) if not isinstance(obj, str) else obj}\n\n"
 
-# %% ../nbs/06_server.ipynb #dc347604
+# %% ../nbs/06_server.ipynb #60ec0f5f
 def _max_model_len(llm) -> int:
     return getattr(llm.engine, "max_model_len", None) or llm.model.config.max_position_embeddings
 
@@ -309,7 +309,83 @@ async def _outputs(sink: Sink, n: int):
         n -= o.finished
         yield tag, o
 
-# %% ../nbs/06_server.ipynb #ff78d8ca
+# %% ../nbs/06_server.ipynb #66e2ea74
+class Generation:
+    "One chat or text completion request: submit its engine requests, then stream or collect their outputs as OpenAI JSON."
+    def __init__(self, engine: AsyncEngine, kind: str, model: str, tok, logprobs: int | None, num_prompt_tokens: int):
+        self.engine, self.kind, self.tok, self.logprobs, self.num_prompt_tokens = engine, kind, tok, logprobs, num_prompt_tokens
+        self.sink, self.rids, self.done = Sink(), [], set()
+        chat = kind == "chat"
+        self.base = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": int(time.time()), "model": model}
+
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams], max_waiting: int):
+        "Add one engine request per (prompt, params) and wait until the engine took them: 429 if the queue is full, 400 if it refuses."
+        if self.engine.num_waiting() + len(prompts) > max_waiting:
+            raise APIError(429, f"Too many requests waiting ({self.engine.num_waiting()}); retry later", "rate_limit_error", code="queue_full")
+        futs = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            rid, fut = self.engine.add(p, sp, self.sink, tag=i); self.rids.append(rid); futs.append(fut)
+        try: await asyncio.gather(*futs)
+        except ValueError as e: self.abort(); raise APIError(400, str(e), param="prompt") from None
+        except BaseException: self.abort(); raise
+
+    def abort(self):
+        for rid in self.rids:
+            if rid not in self.done: self.engine.abort(rid)
+
+    def _logprobs(self, lps, offset: int = 0):
+        if self.logprobs is None: return None
+        return chat_logprobs(self.tok, lps) if self.kind == "chat" else completion_logprobs(self.tok, lps, offset)
+
+    async def stream(self, include_usage: bool = False):
+        "SSE lines: (chat) a role chunk, text deltas, a finish chunk per choice, the usage if asked, `[DONE]`."
+        chat, n, n_out, offsets = self.kind == "chat", len(self.rids), 0, collections.Counter()
+        def chunk(choices): return sse({**self.base, "choices": choices, **({"usage": None} if include_usage else {})})
+        try:
+            if chat: yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(n)])
+            async for i, o in _outputs(self.sink, n):
+                n_out += len(o.new_token_ids)
+                if o.text_delta or (self.logprobs is not None and o.logprobs):
+                    delta = {"delta": {"content": o.text_delta}} if chat else {"text": o.text_delta}
+                    yield chunk([{"index": i, **delta, "logprobs": self._logprobs(o.logprobs or [], offsets[i]), "finish_reason": None}])
+                    offsets[i] += len(o.text_delta)
+                if o.finished:
+                    self.done.add(self.rids[i])
+                    yield chunk([{"index": i, **({"delta": {}} if chat else {"text": ""}), "logprobs": None, "finish_reason": o.finish_reason}])
+            if include_usage: yield sse({**self.base, "choices": [], "usage": usage(self.num_prompt_tokens, n_out)})
+        except Exception as e:
+            log.exception("stream failed")
+            yield sse(APIError(500, str(e), "server_error").body())
+        finally: self.abort()
+        yield sse("[DONE]")
+
+    async def _gather(self):
+        n = len(self.rids)
+        texts, lps, reasons, n_out = [""] * n, [[] for _ in range(n)], [None] * n, 0
+        async for i, o in _outputs(self.sink, n):
+            texts[i] += o.text_delta; n_out += len(o.new_token_ids); lps[i] += o.logprobs or []
+            if o.finished: reasons[i] = o.finish_reason; self.done.add(self.rids[i])
+        return texts, lps, reasons, n_out
+
+    async def collect(self, request: Request) -> dict:
+        "The whole response at once; if the client leaves first, its requests are aborted."
+        work, gone = asyncio.ensure_future(self._gather()), asyncio.ensure_future(_listen_for_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done(): raise APIError(499, "client disconnected")
+            texts, lps, reasons, n_out = work.result()
+        finally:
+            for t in (work, gone): t.cancel()
+            self.abort()
+        if self.kind == "chat":
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": self._logprobs(lps[i]), "finish_reason": reasons[i]}
+                       for i, t in enumerate(texts)]
+        else: choices = [{"index": i, "text": t, "logprobs": self._logprobs(lps[i]), "finish_reason": reasons[i]} for i, t in enumerate(texts)]
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {**self.base, "object": obj, "choices": choices, "usage": usage(self.num_prompt_tokens, n_out)}
+
+# %% ../nbs/06_server.ipynb #13c13d95
 def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = None,
               max_waiting: int = 1024, max_body_bytes: int = 2 * 2**20) -> FastAPI:
     "An OpenAI-compatible FastAPI app serving `llm` (its engine is driven by an `AsyncEngine` thread)."
@@ -362,20 +438,6 @@ def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = Non
                            f"{max_tokens} completion tokens", param="max_tokens", code="context_length_exceeded")
         return ctx - len(ids) if max_tokens is None else max_tokens
 
-    async def submit(prompts: list[list[int]], params: list[SamplingParams], sink: Sink, rids: list[str]):
-        "Add one engine request per (prompt, params); 429 if the waiting queue is full; 400 if the engine refuses."
-        if engine.num_waiting() + len(prompts) > max_waiting:
-            raise APIError(429, f"Too many requests waiting ({engine.num_waiting()}); retry later", "rate_limit_error", code="queue_full")
-        futs = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            rid, fut = engine.add(p, sp, sink, tag=i); rids.append(rid); futs.append(fut)
-        try: await asyncio.gather(*futs)
-        except ValueError as e: raise APIError(400, str(e), param="prompt") from None
-
-    def abort_all(rids, done):
-        for rid in rids:
-            if rid not in done: engine.abort(rid)
-
     def expand(req, prompt_ids: list[list[int]], max_tokens, logprobs, param):
         "n choices per prompt: repeated prompts and per-choice params (seed+i when seeded)."
         prompts, params = [], []
@@ -389,68 +451,11 @@ def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = Non
     async def generate(request, req, prompt_ids, max_tokens, logprobs, param, kind):
         "Shared body of both endpoints; `kind` is 'chat' or 'completion'."
         prompts, params = expand(req, prompt_ids, max_tokens, logprobs, param)
-        sink, rids, done = Sink(), [], set()
-        rid_prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        base = {"id": rid_prefix + uuid.uuid4().hex, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": model_name}
-        n_prompt = sum(len(p) for p in prompt_ids)
-        try: await submit(prompts, params, sink, rids)
-        except BaseException: abort_all(rids, done); raise
-
-        def fmt_logprobs(o, offset):
-            if logprobs is None or not o.logprobs: return None
-            return chat_logprobs(tok, o.logprobs) if kind == "chat" else completion_logprobs(tok, o.logprobs, offset)
-
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            async def events():
-                n_out, offsets = 0, collections.Counter()
-                def chunk(choices, **kw): return sse({**base, "choices": choices, **({"usage": None} if include_usage else {}), **kw})
-                try:
-                    if kind == "chat":
-                        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(len(prompts))])
-                    async for i, o in _outputs(sink, len(prompts)):
-                        n_out += len(o.new_token_ids)
-                        if o.text_delta or (logprobs is not None and o.logprobs):
-                            lp = fmt_logprobs(o, offsets[i]); offsets[i] += len(o.text_delta)
-                            c = {"delta": {"content": o.text_delta}} if kind == "chat" else {"text": o.text_delta}
-                            yield chunk([{"index": i, **c, "logprobs": lp, "finish_reason": None}])
-                        if o.finished:
-                            done.add(rids[i])
-                            yield chunk([{"index": i, **({"delta": {}} if kind == "chat" else {"text": ""}), "logprobs": None, "finish_reason": o.finish_reason}])
-                    if include_usage: yield sse({**base, "choices": [], "usage": usage(n_prompt, n_out)})
-                except Exception as e:
-                    log.exception("stream failed")
-                    yield sse(APIError(500, str(e), "server_error").body())
-                finally: abort_all(rids, done)
-                yield sse("[DONE]")
-            return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-        async def collect():
-            texts, lps, reasons, n_out = [""] * len(prompts), [[] for _ in prompts], [None] * len(prompts), 0
-            async for i, o in _outputs(sink, len(prompts)):
-                texts[i] += o.text_delta; n_out += len(o.new_token_ids); lps[i] += o.logprobs or []
-                if o.finished: reasons[i] = o.finish_reason; done.add(rids[i])
-            return texts, lps, reasons, n_out
-
-        work, disc = asyncio.ensure_future(collect()), asyncio.ensure_future(_listen_for_disconnect(request))
-        try:
-            await asyncio.wait({work, disc}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done(): raise APIError(499, "client disconnected")
-            texts, lps, reasons, n_out = work.result()
-        finally:
-            for t in (work, disc): t.cancel()
-            abort_all(rids, done)
-        if kind == "chat":
-            choices = [{"index": i, "message": {"role": "assistant", "content": t},
-                        "logprobs": chat_logprobs(tok, lps[i]) if logprobs is not None else None, "finish_reason": reasons[i]}
-                       for i, t in enumerate(texts)]
-            obj = "chat.completion"
-        else:
-            choices = [{"index": i, "text": t, "logprobs": completion_logprobs(tok, lps[i]) if logprobs is not None else None,
-                        "finish_reason": reasons[i]} for i, t in enumerate(texts)]
-            obj = "text_completion"
-        return {**base, "object": obj, "choices": choices, "usage": usage(n_prompt, n_out)}
+        gen = Generation(engine, kind, model_name, tok, logprobs, sum(len(p) for p in prompt_ids))
+        await gen.submit(prompts, params, max_waiting)
+        if not req.stream: return await gen.collect(request)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(gen.stream(include_usage), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -488,7 +493,7 @@ def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = Non
 
     return app
 
-# %% ../nbs/06_server.ipynb #fddf19c0
+# %% ../nbs/06_server.ipynb #877fac0d
 def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None, kv_cache_memory_gb: float | None = None,
           gpu_memory_utilization: float | None = None, dtype: str | None = None, device: str | None = None,

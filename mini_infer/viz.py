@@ -70,7 +70,7 @@ def plot_sequences_fit(labels, counts, ax=None, title="sequences that fit in the
     ax.set(ylabel="sequences", title=title)
     return ax
 
-# %% ../nbs/03_continuous_batching.ipynb #e8b57e2f
+# %% ../nbs/03_continuous_batching.ipynb #ec0930fd
 def _request_grid(trace):
     "Requests x steps grid from an engine trace: 0 idle, 1 prefill, 2 decode."
     order = list(dict.fromkeys(rid for t in trace for rid, _, _ in t.work))

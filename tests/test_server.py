@@ -38,9 +38,13 @@ def _start(tmp_path_factory, **kw):
     return proc, url
 
 
+_PROCS = {}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     proc, url = _start(tmp_path_factory, max_num_seqs=64)
+    _PROCS[url] = proc
     yield url
     proc.terminate(); proc.wait(timeout=30)
 
@@ -221,6 +225,9 @@ BAD = [  # (path, body, status, param)
     ("/v1/chat/completions", {**_CHAT, "temperature": 2.5}, 400, "temperature"),
     ("/v1/chat/completions", {**_CHAT, "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/chat/completions", {**_CHAT, "stop": 5}, 400, "stop"),
+    ("/v1/chat/completions", {**_CHAT, "seed": 2**70}, 400, "seed"),
+    ("/v1/chat/completions", b'{"messages": [], "temperature": NaN}', 400, None),
+    ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
     ("/v1/chat/completions", b"{not json", 400, None),
     ("/v1/chat/completions", b"[1, 2]", 400, None),
     ("/v1/chat/completions", b"", 400, None),
@@ -281,6 +288,23 @@ def test_bad_requests_do_not_hurt(server, client):
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text  # still serving
     assert httpx.get(server + "/health").status_code == 200
+
+
+def test_idle_server_does_not_spin(server):
+    psutil = pytest.importorskip("psutil")
+    _wait_idle(server)
+    p = psutil.Process(_PROCS[server].pid)
+    t0 = sum(p.cpu_times()[:2]); time.sleep(1.0)
+    assert sum(p.cpu_times()[:2]) - t0 < 0.1  # the engine thread sleeps on a condition variable
+
+
+def test_bench_serve(server, tmp_path):
+    from mini_infer.bench_serve import run_bench_serve
+    s = run_bench_serve(server, None, num_prompts=4, input_len=8, output_len=4, request_rate=50.0, slo_ttft_ms=60_000,
+                        save_json=str(tmp_path / "b.json"), quiet=True)
+    assert (s["completed"], s["errors"], s["timeouts"]) == (4, 0, 0) and s["mean_output_tokens"] == 4
+    assert s["goodput"] == s["request_throughput"] and s["ttft_ms"]["p50"] > 0 and s["tpot_ms"]["p99"] >= s["tpot_ms"]["p50"]
+    assert json.loads((tmp_path / "b.json").read_text())["completed"] == 4
 
 
 def test_metrics(server):
