@@ -7,11 +7,11 @@ Docs: https://mini-infer.github.io/mini-infer/nbdev.html.md"""
 # %% auto #0
 __all__ = ['export_targets', 'FreshModules']
 
-# %% ../nbs/99_nbdev.ipynb #a093d1bb
+# %% ../nbs/99_nbdev.ipynb #4e990221
 import re
 from pathlib import Path
 
-# %% ../nbs/99_nbdev.ipynb #fc41e9ec
+# %% ../nbs/99_nbdev.ipynb #89e4382a
 _EXPORT_TO = re.compile(r"^#\|\s*exports?\s+([\w.]+)\s*$", re.M)
 _DEFAULT_EXP = re.compile(r"^#\|\s*default_exp\s+([\w.]+)\s*$", re.M)
 

@@ -3,10 +3,10 @@
 # %% auto #0
 __all__ = ['make_workload', 'to_transformers', 'device_name', 'measure_machine', 'weight_split', 'workload_flops', 'decode_latency', 'hf_continuous', 'hf_static', 'run_offline_bench', 'format_table']
 
-# %% ../nbs/03_continuous_batching.ipynb #e0ec16aa
-import math, platform, time
+# %% ../nbs/03_continuous_batching.ipynb #b1ff5b0c
+import platform, time
 
-# %% ../nbs/03_continuous_batching.ipynb #4734dfcb
+# %% ../nbs/03_continuous_batching.ipynb #721da696
 import torch
 from .model import CausalLM, ModelConfig
 from .sampling import SamplingParams
@@ -14,7 +14,7 @@ from .paged_cache import count_parameters
 from .llm import LLM
 from .engine import LLMEngine, run_to_completion, generate_static
 
-# %% ../nbs/03_continuous_batching.ipynb #49cde3d2
+# %% ../nbs/03_continuous_batching.ipynb #9b8277a7
 def _span(x) -> tuple[int, int]:
     "A length range from an int or a (lo, hi) pair (argparse gives lists)."
     lo, hi = (x, x) if isinstance(x, int) else x
@@ -31,7 +31,7 @@ def make_workload(num_requests: int, input_len=(32, 256), output_len=(32, 128), 
     prompts = [torch.randint(100, vocab_size, (n,), generator=g).tolist() for n in n_in]
     return prompts, n_out
 
-# %% ../nbs/03_continuous_batching.ipynb #b8612951
+# %% ../nbs/03_continuous_batching.ipynb #6bb6cdf6
 def to_transformers(model: CausalLM):
     "A transformers `LlamaForCausalLM` / `Qwen2ForCausalLM` holding a copy of `model`'s weights, in eval mode."
     import transformers
@@ -50,7 +50,7 @@ def to_transformers(model: CausalLM):
     assert not bad, f"state dict mismatch: missing {res.missing_keys}, unexpected {res.unexpected_keys}"
     return hf.to(model.device, model.dtype).eval()
 
-# %% ../nbs/03_continuous_batching.ipynb #b92a4c7e
+# %% ../nbs/03_continuous_batching.ipynb #9e92d713
 def _sync(device):
     if torch.device(device).type == "cuda": torch.cuda.synchronize(device)
 
@@ -93,7 +93,7 @@ def workload_flops(cfg: ModelConfig, prompt_lens: list[int], output_lens: list[i
         total += 2 * body * fed + attn * fed * (fed + 1) // 2 + 2 * head * o
     return float(total)
 
-# %% ../nbs/03_continuous_batching.ipynb #962d3f3a
+# %% ../nbs/03_continuous_batching.ipynb #e6a08ae6
 def _timed(fn, device):
     _sync(device); t = time.perf_counter()
     out = fn(); _sync(device)
@@ -153,7 +153,7 @@ def hf_static(hf, prompts, out_lens, batch_size: int) -> list[list[int]]:
         outs += [o[:n] for o, n in zip(out, budget)]
     return outs
 
-# %% ../nbs/03_continuous_batching.ipynb #116dfd81
+# %% ../nbs/03_continuous_batching.ipynb #0c252032
 def run_offline_bench(model: str = "smollm2-135m", num_requests: int = 64, input_len=(32, 256), output_len=(32, 128),
                       seed: int = 0, batch_size: int = 32, peers: bool = True, device=None, dtype=None,
                       num_threads: int | None = None, **engine_kwargs) -> dict:
@@ -205,7 +205,7 @@ def _offline_bench(model, num_requests, input_len, output_len, seed, batch_size,
                 systems=systems, ratios={k: systems["ours"]["output_tok_s"] / s["output_tok_s"] for k, s in systems.items() if k != "ours"},
                 machine=machine, limits=limits)
 
-# %% ../nbs/03_continuous_batching.ipynb #28219001
+# %% ../nbs/03_continuous_batching.ipynb #b89f6749
 def format_table(result: dict) -> str:
     "The benchmark result as a plain-text report."
     r, lim, mach = result, result["limits"], result["machine"]

@@ -3,18 +3,18 @@
 # %% auto #0
 __all__ = ['WORDS', 'random_prompts', 'load_prompts', 'RequestResult', 'stream_completion', 'summarize', 'format_table', 'bench', 'run_bench_serve', 'sweep', 'plot_latency_throughput']
 
-# %% ../nbs/06_server.ipynb #f85d7ea7
+# %% ../nbs/06_server.ipynb #4e8806ae
 import asyncio, json, math, random, time
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
-# %% ../nbs/06_server.ipynb #99dcee9a
+# %% ../nbs/06_server.ipynb #f61f0b1c
 import httpx
 import numpy as np
 import matplotlib.pyplot as plt
 from .server import run_sync
 
-# %% ../nbs/06_server.ipynb #749f65c2
+# %% ../nbs/06_server.ipynb #2d158bfc
 WORDS = ("time year people way day man thing woman life child world school state family student group country problem hand "
          "part place case week company system program question work government number night point home water room mother area "
          "money story fact month lot right study book eye job word business issue side kind head house service friend father "
@@ -34,7 +34,7 @@ def load_prompts(path) -> list[str]:
     if path.endswith(".jsonl"): return [json.loads(l)["prompt"] for l in text.splitlines() if l.strip()]
     return [l for l in text.splitlines() if l.strip()]
 
-# %% ../nbs/06_server.ipynb #db657543
+# %% ../nbs/06_server.ipynb #77fc2bf1
 @dataclass
 class RequestResult:
     "What one benchmark request measured (seconds)."
@@ -75,7 +75,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, hea
     if not res.ok: res.error = "no tokens received"
     return res
 
-# %% ../nbs/06_server.ipynb #2251c46d
+# %% ../nbs/06_server.ipynb #2db9c28b
 def _stats_ms(xs) -> dict:
     if not len(xs): return {k: float("nan") for k in ("mean", "p50", "p90", "p95", "p99")}
     a = np.asarray(xs) * 1000
@@ -118,7 +118,7 @@ def format_table(s: dict) -> str:
     if "first_error" in s: lines.append(f"first error: {s['first_error']}")
     return "\n".join(lines)
 
-# %% ../nbs/06_server.ipynb #181f4143
+# %% ../nbs/06_server.ipynb #87169109
 def _base_url(url: str) -> str: return url.rstrip("/").removesuffix("/v1")
 
 async def bench(url: str, model: str | None, prompts: list[str], output_len: int, request_rate: float = math.inf,
@@ -160,7 +160,7 @@ def run_bench_serve(url: str = "http://127.0.0.1:8000", model: str | None = None
     if save_json: Path(save_json).write_text(json.dumps(s, indent=2))
     return s
 
-# %% ../nbs/06_server.ipynb #35c5d71c
+# %% ../nbs/06_server.ipynb #16eccae2
 def sweep(rates, url: str = "http://127.0.0.1:8000", save_json: str | None = None, **kw) -> list[dict]:
     "Run `run_bench_serve` at each request rate; the summaries make a latency-throughput curve."
     out = []

@@ -8,10 +8,10 @@ Docs: https://mini-infer.github.io/mini-infer/cli.html.md"""
 __all__ = ['cmd_generate', 'stream_chat', 'cmd_chat', 'cmd_info', 'cmd_bench_offline', 'cmd_bench_serve', 'cmd_serve',
            'build_parser', 'main']
 
-# %% ../nbs/90_cli.ipynb #9236a234
+# %% ../nbs/90_cli.ipynb #ba9d9607
 import argparse, math, sys
 
-# %% ../nbs/90_cli.ipynb #d5e5fcd6
+# %% ../nbs/90_cli.ipynb #c9c99199
 def _sampling(a):
     "SamplingParams from the shared command-line options."
     from mini_infer.sampling import SamplingParams
@@ -81,7 +81,7 @@ def cmd_serve(a):
           kv_cache_memory_gb=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization, dtype=a.dtype, device=a.device,
           max_waiting=a.max_waiting)
 
-# %% ../nbs/90_cli.ipynb #65eb9ffe
+# %% ../nbs/90_cli.ipynb #6a1c4ac3
 def _model_args(p):
     p.add_argument("--model", "-m", default=None, help="Hub id, local directory, .gguf file or 'smollm2-135m' (default: Qwen2.5-0.5B-Instruct if available, else the bundled SmolLM2)")
     p.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")

@@ -3,11 +3,11 @@
 # %% auto #0
 __all__ = ['ModelRunner', 'EngineConfig', 'StepOutput', 'StepTrace', 'LLMEngine', 'run_to_completion', 'PaddedBatchCache', 'generate_static']
 
-# %% ../nbs/03_continuous_batching.ipynb #b190a931
+# %% ../nbs/03_continuous_batching.ipynb #9098d8d6
 import time, uuid
 from dataclasses import dataclass, field, fields
 
-# %% ../nbs/03_continuous_batching.ipynb #35f6c756
+# %% ../nbs/03_continuous_batching.ipynb #ff78c49d
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
@@ -18,7 +18,7 @@ from .paged_cache import BlockAllocator, BlockTable, PagedKVCache, plan_memory
 from .scheduler import Sequence, SeqStatus, Scheduler, SchedulerConfig, ScheduledStep
 from .llm import LLM, RequestOutput, TextStream, finish_reason_for, _as_prompt_list
 
-# %% ../nbs/03_continuous_batching.ipynb #35f83290
+# %% ../nbs/03_continuous_batching.ipynb #2692269e
 class ModelRunner:
     "Packs a step's work into flat tensors, runs the model once, returns the rows to sample and their logits."
     def __init__(self, model: CausalLM, cache: PagedKVCache):
@@ -40,7 +40,7 @@ class ModelRunner:
         for seq, n in work: seq.num_computed += n
         return sample_rows, logits
 
-# %% ../nbs/03_continuous_batching.ipynb #5fed23f1
+# %% ../nbs/03_continuous_batching.ipynb #6cdf2405
 @dataclass
 class EngineConfig(SchedulerConfig):
     "Scheduler limits plus the KV pool: `num_blocks` directly, or a memory budget to derive it from."
@@ -74,7 +74,7 @@ class StepTrace:
     seconds: float
     work: list[tuple[str, int, bool]] = field(default_factory=list)  # (request id, tokens, is decode)
 
-# %% ../nbs/03_continuous_batching.ipynb #94e8126d
+# %% ../nbs/03_continuous_batching.ipynb #37b53b15
 class LLMEngine:
     "Continuous batching over a paged KV cache: `add_request`, then `step()` until `has_unfinished()` is False."
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None, **kwargs):
@@ -137,7 +137,7 @@ class LLMEngine:
         rows, logits = self.runner.run(sched.work)
         if rows:
             params = [s.params for s in rows]
-            hist = [(s.prompt_ids, s.output_ids) for s in rows] if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params) else None
+            hist = [(s.prompt_ids, s.output_ids) for s in rows] if any(p.has_penalties for p in params) else None
             tokens, lps = self.sampler.sample(logits, params, [s.generator for s in rows], hist)
             for i, (seq, tok) in enumerate(zip(rows, tokens.tolist())):
                 seq.output_ids.append(tok)
@@ -167,7 +167,7 @@ class LLMEngine:
                     kv_blocks_used=self.allocator.num_used, kv_blocks_free=self.allocator.num_free,
                     kv_blocks_total=self.allocator.num_blocks, preemptions_total=self.scheduler.num_preemptions, **self.counters)
 
-# %% ../nbs/03_continuous_batching.ipynb #d5d9f2d4
+# %% ../nbs/03_continuous_batching.ipynb #66cc74b4
 def _llm_engine(self: LLM) -> LLMEngine:
     "The LLM's engine, built on first use with the engine options given to `LLM(...)`."
     if getattr(self, "_engine", None) is None: self._engine = LLMEngine(self.model, self.tokenizer, EngineConfig(**self.engine_kwargs))
@@ -203,7 +203,7 @@ def _llm_generate(self: LLM, prompts, params: SamplingParams | list[SamplingPara
 LLM.engine = property(_llm_engine)
 LLM.generate = _llm_generate
 
-# %% ../nbs/03_continuous_batching.ipynb #f776d8b9
+# %% ../nbs/03_continuous_batching.ipynb #9533a7fd
 class PaddedBatchCache:
     "B left-padded sequences in contiguous [B, max_len] buffers; attention masks the padding (static batching)."
     def __init__(self, cfg, batch: int, max_len: int, device=None, dtype=torch.float32):

@@ -3,11 +3,11 @@
 # %% auto #0
 __all__ = ['finish_reason_for', 'TextStream', 'RequestOutput', 'LLM']
 
-# %% ../nbs/01_model.ipynb #796e9d1f
+# %% ../nbs/01_model.ipynb #32bbffa6
 import os, sys, time
 from dataclasses import dataclass, field
 
-# %% ../nbs/01_model.ipynb #dfc0bea7
+# %% ../nbs/01_model.ipynb #87d21b9d
 import torch
 from tqdm.auto import tqdm
 from .model import CausalLM, ContiguousKVCache
@@ -15,7 +15,7 @@ from .tokenizer import Tokenizer, IncrementalDetokenizer
 from .sampling import SamplingParams, Sampler, TokenLogprob
 from .loader import load_model
 
-# %% ../nbs/01_model.ipynb #62456a4f
+# %% ../nbs/01_model.ipynb #e84e6c16
 def finish_reason_for(token_id: int, num_output: int, params: SamplingParams, eos_ids) -> str | None:
     "Why a request ends after emitting `token_id` as its `num_output`-th token, or None if it goes on."
     if (token_id in eos_ids and not params.ignore_eos) or token_id in params.stop_token_ids: return "stop"
@@ -53,7 +53,7 @@ class TextStream:
         delta, self.sent = self.text[self.sent:], len(self.text)
         return delta
 
-# %% ../nbs/01_model.ipynb #8ab35526
+# %% ../nbs/01_model.ipynb #7cc8d667
 @dataclass
 class RequestOutput:
     "The result of one prompt: generated text and token ids, why it stopped, and logprobs when asked."

@@ -3,14 +3,14 @@
 # %% auto #0
 __all__ = ['DEFAULT_MODEL', 'GGUF_ARCHITECTURES', 'GGUF_NAMES', 'GGUF_TYPES', 'ALIASES', 'HUB_PATTERNS', 'ModelNotFoundError', 'CheckpointError', 'default_device', 'default_dtype', 'bundled_gguf_path', 'cache_root', 'checkpoint_files', 'load_safetensors', 'gguf_config', 'hf_name', 'unpermute', 'dequantize', 'write_safetensors', 'open_gguf', 'convert_gguf', 'gguf_cache_dir', 'cached_gguf', 'hub_reachable', 'resolve_model', 'load_model']
 
-# %% ../nbs/01_model.ipynb #3ea895e8
+# %% ../nbs/01_model.ipynb #270cf006
 import hashlib, importlib.util, json, os, shutil, socket, struct, threading
 from collections import Counter
 from math import prod
 from pathlib import Path
 from urllib.parse import urlparse
 
-# %% ../nbs/01_model.ipynb #33fa37af
+# %% ../nbs/01_model.ipynb #c5b4ad19
 import gguf
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ from safetensors import safe_open
 from .model import ModelConfig, CausalLM, RotaryEmbedding, SUPPORTED_ARCHITECTURES
 from .tokenizer import Tokenizer, gguf_field
 
-# %% ../nbs/01_model.ipynb #219a5af8
+# %% ../nbs/01_model.ipynb #5c31ad3a
 DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 
 class ModelNotFoundError(FileNotFoundError):
@@ -52,7 +52,7 @@ def cache_root() -> Path:
     "Where converted GGUF models are kept: $MINI_INFER_CACHE, else ~/.cache/mini-infer."
     return Path(os.environ.get("MINI_INFER_CACHE") or Path.home() / ".cache" / "mini-infer")
 
-# %% ../nbs/01_model.ipynb #21d6ce48
+# %% ../nbs/01_model.ipynb #5448bfe7
 def checkpoint_files(model_dir: Path) -> list[Path]:
     "The safetensors files of a checkpoint folder, shards included."
     index = model_dir / "model.safetensors.index.json"
@@ -94,7 +94,7 @@ def load_safetensors(model_dir, device=None, dtype=None, max_positions: int | No
     model.rotary = RotaryEmbedding(cfg, max_positions).to(device)
     return model.eval()
 
-# %% ../nbs/01_model.ipynb #877495c0
+# %% ../nbs/01_model.ipynb #7e2d5761
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
               "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -147,7 +147,7 @@ def dequantize(t, cfg: dict) -> np.ndarray:
         w = unpermute(w, cfg["num_attention_heads"] if ".attn_q." in t.name else cfg["num_key_value_heads"])
     return w
 
-# %% ../nbs/01_model.ipynb #b0a1b98a
+# %% ../nbs/01_model.ipynb #90b8d089
 def write_safetensors(path, shapes: dict[str, tuple], tensors, metadata: dict | None = None):
     "Write float32 `tensors` (an iterable of (name, array) in the order of `shapes`) one at a time."
     header, offset = {"__metadata__": metadata or {}}, 0
@@ -203,7 +203,7 @@ def cached_gguf(path) -> Path:
         convert_gguf(path, out)
     return out
 
-# %% ../nbs/01_model.ipynb #ae21e6f1
+# %% ../nbs/01_model.ipynb #6de03304
 ALIASES = {"smollm2-135m": bundled_gguf_path}
 HUB_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "tokenizer*", "*.txt"]
 
@@ -251,7 +251,7 @@ def resolve_model(name: str | None = None) -> Path:
         else: tried.append("the Hugging Face Hub (offline or unreachable)")
     raise ModelNotFoundError(f"cannot find model {name!r}; tried: alias ({', '.join(ALIASES)}), {', '.join(tried)}")
 
-# %% ../nbs/01_model.ipynb #c0f1d08f
+# %% ../nbs/01_model.ipynb #56f99efc
 def load_model(name: str | None = None, device=None, dtype=None, max_positions: int | None = None) -> tuple[CausalLM, Tokenizer]:
     "Load a model and its tokenizer by alias, path or Hub repo id (None = Qwen2.5-0.5B-Instruct if available, else bundled SmolLM2)."
     path = resolve_model(name)

@@ -8,17 +8,17 @@ Docs: https://mini-infer.github.io/mini-infer/model.html.md"""
 __all__ = ['SUPPORTED_ARCHITECTURES', 'ModelConfig', 'RMSNorm', 'rope_frequencies', 'RotaryEmbedding', 'apply_rope', 'KVCache',
            'causal_attention', 'ContiguousKVCache', 'Attention', 'MLP', 'DecoderLayer', 'Decoder', 'CausalLM']
 
-# %% ../nbs/01_model.ipynb #7f29dec5
+# %% ../nbs/01_model.ipynb #49913f75
 import json, math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-# %% ../nbs/01_model.ipynb #74e5f892
+# %% ../nbs/01_model.ipynb #51fe4251
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# %% ../nbs/01_model.ipynb #79653564
+# %% ../nbs/01_model.ipynb #7967f638
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 
 @dataclass
@@ -70,7 +70,7 @@ class ModelConfig:
         e = self.eos_token_id
         return [] if e is None else [e] if isinstance(e, int) else list(e)
 
-# %% ../nbs/01_model.ipynb #737edeb4
+# %% ../nbs/01_model.ipynb #7b741f7d
 class RMSNorm(nn.Module):
     "Root-mean-square norm with a learned gain, computed in float32."
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -81,7 +81,7 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
-# %% ../nbs/01_model.ipynb #bc612f19
+# %% ../nbs/01_model.ipynb #ebe011f9
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     "Inverse frequencies of the rotary embedding, with Llama-3 scaling when the config asks for it."
     d = cfg.head_dim
@@ -118,7 +118,7 @@ def apply_rope(x, cos, sin):
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
-# %% ../nbs/01_model.ipynb #46fcdcb3
+# %% ../nbs/01_model.ipynb #726c4bdb
 class KVCache:
     "What attention needs from a cache. `attend` stores this step's k/v and returns attention over the whole context."
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -156,7 +156,7 @@ class ContiguousKVCache(KVCache):
         self.v[layer, self.start:self.end] = v
         return causal_attention(q, self.k[layer, :self.end], self.v[layer, :self.end], self.start)
 
-# %% ../nbs/01_model.ipynb #fb3799bb
+# %% ../nbs/01_model.ipynb #28d91292
 class Attention(nn.Module):
     "Grouped-query self-attention with rotary embeddings; K/V go through the cache."
     def __init__(self, cfg: ModelConfig, layer_idx: int):
@@ -197,7 +197,7 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-# %% ../nbs/01_model.ipynb #c11376cb
+# %% ../nbs/01_model.ipynb #8343c0f2
 class Decoder(nn.Module):
     "Embedding, decoder layers and final norm."
     def __init__(self, cfg: ModelConfig):

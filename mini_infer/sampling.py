@@ -3,13 +3,13 @@
 # %% auto #0
 __all__ = ['SamplingParams', 'top_k_mask', 'top_p_mask', 'min_p_mask', 'token_counts', 'apply_penalties', 'TokenLogprob', 'Sampler']
 
-# %% ../nbs/01_model.ipynb #6d237856
+# %% ../nbs/01_model.ipynb #2be8bb60
 from dataclasses import dataclass, field
 
-# %% ../nbs/01_model.ipynb #38130f85
+# %% ../nbs/01_model.ipynb #ab933da7
 import torch
 
-# %% ../nbs/01_model.ipynb #0f0d13b8
+# %% ../nbs/01_model.ipynb #045f1734
 _SAMPLING_EPS = 1e-5   # a temperature below this is greedy (as in vLLM): dividing by ~0 would overflow
 
 @dataclass
@@ -59,7 +59,7 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
-# %% ../nbs/01_model.ipynb #6297922f
+# %% ../nbs/01_model.ipynb #300c6359
 def top_k_mask(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     "Keep mask [B, V]: the `k[i]` highest logits of row i (k <= 0 = keep all)."
     V = logits.shape[-1]
@@ -82,7 +82,7 @@ def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     top = logits.max(dim=-1, keepdim=True).values
     return logits >= top + min_p.unsqueeze(-1).log()    # log(0) = -inf keeps everything
 
-# %% ../nbs/01_model.ipynb #11830126
+# %% ../nbs/01_model.ipynb #28adb568
 def token_counts(seqs: list[list[int]], vocab_size: int, device=None) -> torch.Tensor:
     "Counts [B, V]: how many times each token occurs in each row's list."
     lens = torch.tensor([len(s) for s in seqs], device=device)
@@ -105,7 +105,7 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], historie
     logits = torch.where(seen, penalised, logits)
     return logits - freq * out_counts - pres * (out_counts > 0)
 
-# %% ../nbs/01_model.ipynb #c0290e74
+# %% ../nbs/01_model.ipynb #a2da7e3b
 @dataclass
 class TokenLogprob:
     "The chosen token's log-probability, and the `logprobs` most likely tokens with theirs."
@@ -113,7 +113,7 @@ class TokenLogprob:
     logprob: float
     top: dict[int, float]
 
-# %% ../nbs/01_model.ipynb #b661c260
+# %% ../nbs/01_model.ipynb #edb42a1a
 class Sampler:
     "Picks one token per row of a batch of logits, each row with its own `SamplingParams`."
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],

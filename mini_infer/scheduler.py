@@ -7,17 +7,17 @@ Docs: https://mini-infer.github.io/mini-infer/continuous_batching.html.md"""
 # %% auto #0
 __all__ = ['SeqStatus', 'Sequence', 'SchedulerConfig', 'ScheduledStep', 'Scheduler']
 
-# %% ../nbs/03_continuous_batching.ipynb #06d0434e
+# %% ../nbs/03_continuous_batching.ipynb #6a6362da
 import enum, itertools, time
 from collections import deque
 from dataclasses import dataclass, field
 
-# %% ../nbs/03_continuous_batching.ipynb #84c544e5
+# %% ../nbs/03_continuous_batching.ipynb #88cff98a
 import torch
 from .sampling import SamplingParams, TokenLogprob
 from .paged_cache import BlockAllocator, BlockTable
 
-# %% ../nbs/03_continuous_batching.ipynb #d55e5713
+# %% ../nbs/03_continuous_batching.ipynb #c7c5366b
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -53,7 +53,7 @@ class Sequence:
         if start + n <= p: return self.prompt_ids[start:start + n]
         return self.prompt_ids[start:] + self.output_ids[:start + n - p]
 
-# %% ../nbs/03_continuous_batching.ipynb #80520c65
+# %% ../nbs/03_continuous_batching.ipynb #a227af66
 @dataclass
 class SchedulerConfig:
     "Limits of one step."

@@ -10,11 +10,11 @@ __all__ = ['log', 'UNSUPPORTED', 'APIError', 'StreamOptions', 'ContentPart', 'Ch
            'chat_logprobs', 'completion_logprobs', 'usage', 'sse', 'Generation', 'build_app', 'serve', 'free_port',
            'ServerThread', 'run_sync']
 
-# %% ../nbs/06_server.ipynb #e33e491d
+# %% ../nbs/06_server.ipynb #548d73d5
 import asyncio, collections, concurrent.futures, hmac, json, logging, math, os, socket, threading, time, uuid
 from typing import Literal
 
-# %% ../nbs/06_server.ipynb #665147cf
+# %% ../nbs/06_server.ipynb #da8c75de
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -24,7 +24,7 @@ from .sampling import SamplingParams
 from .llm import LLM
 from .engine import LLMEngine  # also gives LLM its `.engine`
 
-# %% ../nbs/06_server.ipynb #2a82eda4
+# %% ../nbs/06_server.ipynb #35a96bc7
 log = logging.getLogger("mini_infer.server")
 
 class APIError(Exception):
@@ -35,7 +35,7 @@ class APIError(Exception):
 
     def body(self) -> dict: return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-# %% ../nbs/06_server.ipynb #4fbe039a
+# %% ../nbs/06_server.ipynb #04f42935
 UNSUPPORTED = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format", "logit_bias",
                "suffix", "echo", "best_of", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options",
                "store", "metadata", "service_tier"}
@@ -87,7 +87,7 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)
 
-# %% ../nbs/06_server.ipynb #e6241e97
+# %% ../nbs/06_server.ipynb #01675590
 def _is_type_tag(p) -> bool:
     "Pydantic puts union members ('str', 'list[int]', 'function-after[...]') in error locations; they are not parameters."
     return isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p)
@@ -108,7 +108,7 @@ def parse_request(cls: type[BaseModel], body: bytes) -> BaseModel:
         raise APIError(400, f"Unrecognized request argument supplied: {k}", param=k)
     return req
 
-# %% ../nbs/06_server.ipynb #917f54d4
+# %% ../nbs/06_server.ipynb #dd3375a7
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 def sampling_params(req: _GenerationRequest, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
@@ -119,7 +119,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int, logprobs: int | No
         param = next((f for f in (*_SAMPLING_FIELDS, "max_tokens", "stop", "seed", "logprobs") if f in str(e)), None)
         raise APIError(400, str(e), param=param) from None
 
-# %% ../nbs/06_server.ipynb #ab4f3622
+# %% ../nbs/06_server.ipynb #1b84cbb8
 class Histogram:
     "Cumulative-bucket histogram, as Prometheus wants it."
     def __init__(self, buckets): self.buckets, self.counts, self.sum, self.count = list(buckets), [0] * len(buckets), 0.0, 0
@@ -170,7 +170,7 @@ class Metrics:
                 out += [f'{p}{name}_bucket{{le="+Inf"}} {h.count}', f"{p}{name}_sum {h.sum}", f"{p}{name}_count {h.count}"]
         return "\n".join(out) + "\n"
 
-# %% ../nbs/06_server.ipynb #959ccb5e
+# %% ../nbs/06_server.ipynb #9c7e17ae
 class Sink:
     "An asyncio queue that the engine thread can feed: items are (tag, StepOutput or Exception)."
     def __init__(self): self.loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
@@ -260,7 +260,7 @@ class AsyncEngine:
             self.engine.abort(rid); r.sink.put(r.tag, RuntimeError(f"engine failure: {exc}"))
         self._routes.clear()
 
-# %% ../nbs/06_server.ipynb #1a0a53b9
+# %% ../nbs/06_server.ipynb #2cad370a
 def _lp(x: float) -> float: return max(float(x), -9999.0) if not math.isnan(x) else -9999.0
 
 def _token_str(tok, i: int) -> str: return tok.decode([i], skip_special_tokens=False)
@@ -282,7 +282,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def sse(obj) -> str: return f"data: {json.dumps(obj) if not isinstance(obj, str) else obj}\n\n"
 
-# %% ../nbs/06_server.ipynb #60ec0f5f
+# %% ../nbs/06_server.ipynb #4f0df301
 def _max_model_len(llm) -> int:
     return getattr(llm.engine, "max_model_len", None) or llm.model.config.max_position_embeddings
 
@@ -309,7 +309,7 @@ async def _outputs(sink: Sink, n: int):
         n -= o.finished
         yield tag, o
 
-# %% ../nbs/06_server.ipynb #66e2ea74
+# %% ../nbs/06_server.ipynb #bc04ff33
 class Generation:
     "One chat or text completion request: submit its engine requests, then stream or collect their outputs as OpenAI JSON."
     def __init__(self, engine: AsyncEngine, kind: str, model: str, tok, logprobs: int | None, num_prompt_tokens: int):
@@ -385,7 +385,7 @@ class Generation:
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {**self.base, "object": obj, "choices": choices, "usage": usage(self.num_prompt_tokens, n_out)}
 
-# %% ../nbs/06_server.ipynb #13c13d95
+# %% ../nbs/06_server.ipynb #4da4d0a4
 def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = None,
               max_waiting: int = 1024, max_body_bytes: int = 2 * 2**20) -> FastAPI:
     "An OpenAI-compatible FastAPI app serving `llm` (its engine is driven by an `AsyncEngine` thread)."
@@ -493,7 +493,7 @@ def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = Non
 
     return app
 
-# %% ../nbs/06_server.ipynb #877fac0d
+# %% ../nbs/06_server.ipynb #bb0e543c
 def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None, kv_cache_memory_gb: float | None = None,
           gpu_memory_utilization: float | None = None, dtype: str | None = None, device: str | None = None,

@@ -3,19 +3,19 @@
 # %% auto #0
 __all__ = ['PRE_TOKENIZERS', 'STOP_TOKENS', 'compile_chat_template', 'gguf_field', 'build_bpe_tokenizer', 'Tokenizer', 'IncrementalDetokenizer']
 
-# %% ../nbs/01_model.ipynb #97acbb45
+# %% ../nbs/01_model.ipynb #95b49695
 import json
 from datetime import datetime
 from pathlib import Path
 
-# %% ../nbs/01_model.ipynb #402e0745
+# %% ../nbs/01_model.ipynb #5acf1342
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-# %% ../nbs/01_model.ipynb #918a3d21
+# %% ../nbs/01_model.ipynb #cea1805b
 def _raise_exception(message): raise jinja2.exceptions.TemplateError(message)
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
@@ -28,7 +28,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
     env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     return env.from_string(source)
 
-# %% ../nbs/01_model.ipynb #e78b0d5c
+# %% ../nbs/01_model.ipynb #c1e3a69d
 # The split regexes of tokenizer.json files, by llama.cpp's `tokenizer.ggml.pre` name.
 _QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 _LLAMA3_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -74,7 +74,7 @@ def build_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
     return tok
 
-# %% ../nbs/01_model.ipynb #0d28e509
+# %% ../nbs/01_model.ipynb #9ffb8e18
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
 
 def _content(t):
@@ -165,7 +165,7 @@ class Tokenizer:
         (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1, ensure_ascii=False))
         (path / "generation_config.json").write_text(json.dumps({"eos_token_id": self.eos_token_ids}))
 
-# %% ../nbs/01_model.ipynb #1fcfe65c
+# %% ../nbs/01_model.ipynb #14935f85
 class IncrementalDetokenizer:
     "Turns a growing list of token ids into text deltas that never split a UTF-8 character."
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context: int = 5):

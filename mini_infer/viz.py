@@ -3,12 +3,12 @@
 # %% auto #0
 __all__ = ['plot_block_pool', 'plot_block_table', 'plot_utilisation', 'plot_sequences_fit', 'plot_timeline', 'plot_blocks_over_time']
 
-# %% ../nbs/02_paged_cache.ipynb #db7253bb
+# %% ../nbs/02_paged_cache.ipynb #c46c61e0
 import numpy as np
 import matplotlib.pyplot as plt
 from matplotlib.colors import ListedColormap
 
-# %% ../nbs/02_paged_cache.ipynb #ee309fce
+# %% ../nbs/02_paged_cache.ipynb #bd8246c8
 def _owner_cmap(n):
     base = plt.get_cmap("tab20").colors
     return ListedColormap([(0.93, 0.93, 0.93)] + [base[i % len(base)] for i in range(max(n, 1))])
@@ -50,7 +50,7 @@ def plot_block_table(blocks, num_blocks: int, block_size: int = 16, num_tokens: 
     ax.set_title(f"block table: {num_tokens} tokens in {len(blocks)} blocks of {block_size} (fill of each logical block shaded)", fontsize=9)
     return ax
 
-# %% ../nbs/02_paged_cache.ipynb #23e98122
+# %% ../nbs/02_paged_cache.ipynb #c1d84359
 def plot_utilisation(block_sizes, utilisation, contiguous: float | None = None, ax=None):
     "KV utilisation (tokens stored / slots reserved) against block size, with the contiguous baseline as a line."
     ax = ax or plt.subplots(figsize=(5, 3.2))[1]
@@ -70,7 +70,7 @@ def plot_sequences_fit(labels, counts, ax=None, title="sequences that fit in the
     ax.set(ylabel="sequences", title=title)
     return ax
 
-# %% ../nbs/03_continuous_batching.ipynb #ec0930fd
+# %% ../nbs/03_continuous_batching.ipynb #e7604721
 def _request_grid(trace):
     "Requests x steps grid from an engine trace: 0 idle, 1 prefill, 2 decode."
     order = list(dict.fromkeys(rid for t in trace for rid, _, _ in t.work))

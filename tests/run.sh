@@ -3,7 +3,9 @@
 # (nbdev-test, and nbval on output-stripped copies). `gpu`-flagged cells are skipped on machines without CUDA.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export MPLBACKEND=Agg PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false
+# One BLAS thread per process: notebooks run two at a time and server tests run two processes, and oversubscribed
+# OpenMP threads make matrix multiplies ~10x slower on 2 cores.
+export MPLBACKEND=Agg PYTHONHASHSEED=0 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 
 echo "== notebooks and library in sync (nbdev-export)"
 nbdev-export

@@ -34,7 +34,7 @@ def engine(llm, **kw):
     dict(),                                                              # defaults: big budget, chunked prefill on
     dict(max_num_batched_tokens=64, max_prefill_chunk=16),               # prompts split into many chunks
     dict(max_num_batched_tokens=256, enable_chunked_prefill=False),      # whole prompts only
-    dict(num_blocks=10, block_size=8, max_prefill_chunk=32),             # a tiny pool: forced preemption
+    dict(num_blocks=14, block_size=8, max_prefill_chunk=32),             # a pool for ~2 requests: forced preemption
     dict(max_num_seqs=5),                                                # few seats
 ], ids=["default", "chunked", "unchunked", "preempt", "few-seats"])
 def test_batched_equals_alone(llm, workload, alone, kw):
