@@ -74,14 +74,16 @@ class StepTrace:
     seconds: float
     work: list[tuple[str, int, bool]] = field(default_factory=list)  # (request id, tokens, is decode)
 
-# %% ../nbs/03_continuous_batching.ipynb #37b53b15
+# %% ../nbs/03_continuous_batching.ipynb #ce785f16
 class LLMEngine:
     "Continuous batching over a paged KV cache: `add_request`, then `step()` until `has_unfinished()` is False."
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None, **kwargs):
         self.model, self.tokenizer = model, tokenizer
         self.config = cfg = config or EngineConfig(**kwargs)
-        num_blocks = cfg.num_blocks or plan_memory(model.config, model.device, model.dtype, cfg.kv_cache_memory_gb,
-                                                   cfg.gpu_memory_utilization, cfg.block_size).num_blocks
+        if cfg.num_blocks: num_blocks = cfg.num_blocks
+        else:   # a budget too small for one sequence is rejected here, at start-up, with the numbers
+            plan = plan_memory(model.config, model.device, model.dtype, cfg.kv_cache_memory_gb, cfg.gpu_memory_utilization, cfg.block_size)
+            num_blocks = plan.check(cfg.max_model_len or cfg.block_size).num_blocks
         self.cache = PagedKVCache(model.config, num_blocks, cfg.block_size, model.device, model.dtype)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(cfg, self.allocator)

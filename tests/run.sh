@@ -17,7 +17,7 @@ git diff --exit-code --stat -- nbs || { echo "notebooks are not clean: run nbdev
 
 echo "== notebooks executed (nbdev-test)"
 flags=""; python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" && flags="--flags gpu"
-nbdev-test --n_workers 2 $flags
+nbdev-test --n-workers 2 --timing $flags
 
 echo "== notebooks executed (nbval on output-stripped copies)"
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT

@@ -98,6 +98,8 @@ def test_bad_input_rejected_before_taking_blocks(llm):
     big = engine(llm)
     with pytest.raises(ValueError, match="context"): big.add_request([5] * (llm.model.config.max_position_embeddings + 1))
     assert eng.allocator.num_free == 4 and not eng.has_unfinished()
+    with pytest.raises(ValueError, match="KV pool too small"):    # a budget too small for one sequence: rejected at start-up
+        engine(llm, kv_cache_memory_gb=0.001, max_model_len=4096)
 
 
 def test_llm_generate_runs_on_engine(llm):
