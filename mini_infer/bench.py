@@ -3,8 +3,8 @@
 # %% auto #0
 __all__ = ['make_workload', 'to_transformers', 'device_name', 'measure_machine', 'weight_split', 'workload_flops', 'decode_latency', 'hf_continuous', 'hf_static', 'run_offline_bench', 'format_table']
 
-# %% ../nbs/03_continuous_batching.ipynb #b1ff5b0c
-import platform, time
+# %% ../nbs/03_continuous_batching.ipynb #2254a8e3
+import os, platform, time
 
 # %% ../nbs/03_continuous_batching.ipynb #721da696
 import torch
@@ -153,7 +153,7 @@ def hf_static(hf, prompts, out_lens, batch_size: int) -> list[list[int]]:
         outs += [o[:n] for o, n in zip(out, budget)]
     return outs
 
-# %% ../nbs/03_continuous_batching.ipynb #0c252032
+# %% ../nbs/03_continuous_batching.ipynb #d2619c20
 def run_offline_bench(model: str = "smollm2-135m", num_requests: int = 64, input_len=(32, 256), output_len=(32, 128),
                       seed: int = 0, batch_size: int = 32, peers: bool = True, device=None, dtype=None,
                       num_threads: int | None = None, **engine_kwargs) -> dict:
@@ -191,6 +191,7 @@ def _offline_bench(model, num_requests, input_len, output_len, seed, batch_size,
         del hf
     # the machine's limits
     machine = measure_machine(dev, m.dtype)
+    machine["load_avg"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None   # other work on a shared machine
     flops = workload_flops(m.config, list(map(len, prompts)), out_lens)
     total_tokens = systems["ours"]["total_tokens"]
     ceiling = machine["matmul_gflops"] * 1e9 / (flops / total_tokens)
@@ -205,7 +206,7 @@ def _offline_bench(model, num_requests, input_len, output_len, seed, batch_size,
                 systems=systems, ratios={k: systems["ours"]["output_tok_s"] / s["output_tok_s"] for k, s in systems.items() if k != "ours"},
                 machine=machine, limits=limits)
 
-# %% ../nbs/03_continuous_batching.ipynb #b89f6749
+# %% ../nbs/03_continuous_batching.ipynb #e13a257c
 def format_table(result: dict) -> str:
     "The benchmark result as a plain-text report."
     r, lim, mach = result, result["limits"], result["machine"]
@@ -219,7 +220,8 @@ def format_table(result: dict) -> str:
                      f"{r['ratios'][k]:.2f}x" if k in r["ratios"] else "-", match))
     w = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     table = "\n".join("  ".join(c.ljust(w[0]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(row)) for row in rows)
-    tail = (f"\nmachine: matmul {mach['matmul_gflops']:.0f} GFLOP/s ({mach['dtype']}), memory read {mach['read_gb_s']:.1f} GB/s\n"
+    load = f", load average {mach['load_avg']:.1f}" if mach.get("load_avg") is not None else ""
+    tail = (f"\nmachine: matmul {mach['matmul_gflops']:.0f} GFLOP/s ({mach['dtype']}), memory read {mach['read_gb_s']:.1f} GB/s{load}\n"
             f"ceiling: {lim['flops_per_token'] / 1e6:.0f} MFLOP/token -> {lim['ceiling_total_tok_s']:.0f} total tok/s; "
             f"our engine reaches {100 * lim['fraction_of_ceiling']:.0f}%\n"
             f"single-request decode: {lim['decode_ms']:.1f} ms/token (weight-read floor {lim['decode_floor_ms']:.1f} ms, "
