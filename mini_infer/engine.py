@@ -205,7 +205,7 @@ def _llm_generate(self: LLM, prompts, params: SamplingParams | list[SamplingPara
 LLM.engine = property(_llm_engine)
 LLM.generate = _llm_generate
 
-# %% ../nbs/03_continuous_batching.ipynb #9533a7fd
+# %% ../nbs/03_continuous_batching.ipynb #793bfba9
 class PaddedBatchCache:
     "B left-padded sequences in contiguous [B, max_len] buffers; attention masks the padding (static batching)."
     def __init__(self, cfg, batch: int, max_len: int, device=None, dtype=torch.float32):
@@ -222,12 +222,14 @@ class PaddedBatchCache:
         return self
 
     def attend(self, layer, q, k, v):
-        B, n = self.batch, self.end - self.start
-        self.k[layer, :, self.start:self.end] = k.view(B, n, *k.shape[1:])
-        self.v[layer, :, self.start:self.end] = v.view(B, n, *v.shape[1:])
-        kk, vv = (t[layer, :, :self.end].repeat_interleave(self.rep, 2).transpose(1, 2) for t in (self.k, self.v))
-        out = F.scaled_dot_product_attention(q.view(B, n, *q.shape[1:]).transpose(1, 2), kk, vv, attn_mask=self.mask)
-        return out.transpose(1, 2).reshape(B * n, *q.shape[1:])
+        B, n, (Hkv, D) = self.batch, self.end - self.start, k.shape[1:]
+        self.k[layer, :, self.start:self.end] = k.view(B, n, Hkv, D)
+        self.v[layer, :, self.start:self.end] = v.view(B, n, Hkv, D)
+        kk, vv = (t[layer, :, :self.end].transpose(1, 2) for t in (self.k, self.v))          # [B, Hkv, end, D], no copy
+        # GQA without copying K/V: the `rep` query heads of a K/V head become `rep * n` queries of that head
+        qg = q.view(B, n, Hkv, self.rep, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, self.rep * n, D)
+        out = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=self.mask.repeat(1, 1, self.rep, 1))
+        return out.view(B, Hkv, self.rep, n, D).permute(0, 3, 1, 2, 4).reshape(B * n, Hkv * self.rep, D)
 
 def generate_static(model: CausalLM, prompts: list[list[int]], max_tokens: list[int], batch_size: int = 32) -> list[list[int]]:
     "Greedy static batching: left-pad each batch to its longest prompt and decode until its longest request is done."

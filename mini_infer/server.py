@@ -170,7 +170,7 @@ class Metrics:
                 out += [f'{p}{name}_bucket{{le="+Inf"}} {h.count}', f"{p}{name}_sum {h.sum}", f"{p}{name}_count {h.count}"]
         return "\n".join(out) + "\n"
 
-# %% ../nbs/06_server.ipynb #9c7e17ae
+# %% ../nbs/06_server.ipynb #1bfd230e
 class Sink:
     "An asyncio queue that the engine thread can feed: items are (tag, StepOutput or Exception)."
     def __init__(self): self.loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
@@ -225,6 +225,7 @@ class AsyncEngine:
                 try: outs = self.engine.step()
                 except Exception as e:  # a bug must not kill the server: fail what is in flight, keep serving
                     log.exception("engine step failed"); self._fail_all(e); outs = []
+                self.stats = self.engine.stats()   # before delivering, so a client that got a token sees the step in /metrics
                 now = time.perf_counter()
                 for o in outs: self._deliver(o, now)
             self.stats = self.engine.stats()
