@@ -70,18 +70,17 @@ class ModelConfig:
         e = self.eos_token_id
         return [] if e is None else [e] if isinstance(e, int) else list(e)
 
-# %% ../nbs/01_model.ipynb #7b741f7d
+# %% ../nbs/01_model.ipynb #dd20ff8d
 class RMSNorm(nn.Module):
     "Root-mean-square norm with a learned gain, computed in float32."
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+    def forward(self, x):  # F.rms_norm is x / sqrt(mean(x^2) + eps) in one kernel
+        return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype) * self.weight
 
-# %% ../nbs/01_model.ipynb #ebe011f9
+# %% ../nbs/01_model.ipynb #81b2d416
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     "Inverse frequencies of the rotary embedding, with Llama-3 scaling when the config asks for it."
     d = cfg.head_dim
@@ -110,13 +109,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions): return self.cos[positions], self.sin[positions]
+    def forward(self, positions, dtype=torch.float32):
+        "cos/sin rows [T, 1, head_dim] for `positions`, ready to broadcast over heads; sin carries the rotation's sign."
+        cos, sin = self.cos[positions], self.sin[positions]
+        half = sin.shape[-1] // 2
+        return cos[:, None].to(dtype), torch.cat([-sin[:, :half], sin[:, half:]], -1)[:, None].to(dtype)
 
 def apply_rope(x, cos, sin):
-    "Rotate `x` [T, heads, head_dim] by the per-token angles in `cos`/`sin` [T, head_dim]."
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    "Rotate `x` [T, heads, head_dim] by the angles in `cos`/`sin` from `RotaryEmbedding`: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+    return x * cos + torch.cat([x2, x1], -1) * sin
 
 # %% ../nbs/01_model.ipynb #726c4bdb
 class KVCache:
@@ -197,7 +199,7 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-# %% ../nbs/01_model.ipynb #8343c0f2
+# %% ../nbs/01_model.ipynb #f305ce3c
 class Decoder(nn.Module):
     "Embedding, decoder layers and final norm."
     def __init__(self, cfg: ModelConfig):
@@ -219,7 +221,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids, positions, cache: KVCache, logits_indices=None):
         "Logits [len(logits_indices) or T, vocab] for the packed tokens `input_ids` at `positions`."
-        cos, sin = self.rotary(positions)
+        cos, sin = self.rotary(positions, self.dtype)   # once per forward, shared by all layers
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers: x = layer(x, cos, sin, cache)
         if logits_indices is not None: x = x[logits_indices]
