@@ -7,8 +7,8 @@ Docs: https://mini-infer.github.io/mini-infer/continuous_batching.html.md"""
 # %% auto #0
 __all__ = ['SeqStatus', 'Sequence', 'SchedulerConfig', 'ScheduledStep', 'Scheduler']
 
-# %% ../nbs/03_continuous_batching.ipynb #6a6362da
-import enum, itertools, time
+# %% ../nbs/03_continuous_batching.ipynb #53c0bf08
+import enum
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -17,7 +17,7 @@ import torch
 from .sampling import SamplingParams, TokenLogprob
 from .paged_cache import BlockAllocator, BlockTable
 
-# %% ../nbs/03_continuous_batching.ipynb #c7c5366b
+# %% ../nbs/03_continuous_batching.ipynb #f9280f77
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -36,7 +36,6 @@ class Sequence:
     finish_reason: str | None = None
     num_computed: int = 0          # tokens whose K/V are in the cache
     priority: int = 0              # lower runs first; FCFS among equals
-    arrival: float = field(default_factory=time.perf_counter)
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] | None = None
 
@@ -53,7 +52,7 @@ class Sequence:
         if start + n <= p: return self.prompt_ids[start:start + n]
         return self.prompt_ids[start:] + self.output_ids[:start + n - p]
 
-# %% ../nbs/03_continuous_batching.ipynb #a227af66
+# %% ../nbs/03_continuous_batching.ipynb #ef32b9af
 @dataclass
 class SchedulerConfig:
     "Limits of one step."
@@ -71,8 +70,6 @@ class ScheduledStep:
     "The work of one step: (sequence, number of its tokens to run), decodes first."
     work: list[tuple[Sequence, int]]
     preempted: list[Sequence]
-    @property
-    def num_tokens(self) -> int: return sum(n for _, n in self.work)
 
 class Scheduler:
     "FCFS continuous-batching policy with chunked prefill and preemption by recompute."
