@@ -10,7 +10,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from mini_infer.model import CausalLM, ContiguousKVCache, ModelConfig, causal_attention
 from mini_infer.paged_cache import (BlockAllocator, BlockTable, PagedKVCache, generate_paged, paged_attention_ref,
                                     paged_decode, paged_decode_flash, plan_memory, step_inputs, count_parameters,
-                                    kv_bytes_per_token, info_table)
+                                    kv_bytes_per_token, info_table, cpu_decode_kernel, paged_decode_kernel)
+
+# the C kernel where this machine can build it (CI can: it has gcc); the PyTorch paths everywhere
+IMPLS = ["reference", "gather", "flash"] + (["kernel"] if cpu_decode_kernel() else [])
 
 
 def attn_cfg(n_q=9, n_kv=3, d=64, layers=2):
@@ -56,7 +59,7 @@ def expected(layer, q, full, qlens):
 
 
 # ---------------------------------------------------------------- paged attention == contiguous attention
-@pytest.mark.parametrize("impl", ["reference", "gather", "flash"])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("seed,block_size,heads", [(0, 16, (9, 3)), (1, 4, (4, 1)), (2, 1, (6, 6)), (3, 7, (8, 2)), (4, 16, (2, 2))])
 def test_paged_attention_matches_contiguous(impl, seed, block_size, heads):
     cfg = attn_cfg(*heads, d=32)
@@ -67,10 +70,11 @@ def test_paged_attention_matches_contiguous(impl, seed, block_size, heads):
         torch.testing.assert_close(got, expected(layer, q[layer], full, qlens), atol=1e-5, rtol=1e-5)
 
 
-def test_all_prefill_and_all_decode_steps():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_all_prefill_and_all_decode_steps(impl):
     cfg = attn_cfg(4, 2, 16, layers=1)
     for frac in (0.0, 1.0):
-        cache, q, k, v, full, qlens = random_step(cfg, 6, 8, (1, 40), frac, 7)
+        cache, q, k, v, full, qlens = random_step(cfg, 6, 8, (1, 40), frac, 7, decode_impl=impl)
         torch.testing.assert_close(cache.attend(0, q[0], k[0], v[0]), expected(0, q[0], full, qlens), atol=1e-5, rtol=1e-5)
 
 
@@ -88,11 +92,33 @@ def test_fast_decode_paths_equal_reference(seed):
     torch.testing.assert_close(paged_decode(q[0], kp, vp, blocks, mask), ref, atol=1e-5, rtol=1e-5)
     for chunk in (1, 3, 64):
         torch.testing.assert_close(paged_decode_flash(q[0], kp, vp, blocks, mask, chunk), ref, atol=1e-5, rtol=1e-5)
+    if cpu_decode_kernel():   # rows in a shuffled order, reading tables wider than they need
+        perm = torch.randperm(24, generator=torch.Generator().manual_seed(seed))
+        out = torch.full_like(q[0], float("nan"))
+        paged_decode_kernel(q[0], kp, vp, out, perm, cache.block_tables[perm].contiguous(), cache.context_lens[perm].contiguous())
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_default_and_rejections():
+    cfg = attn_cfg(4, 2, 16, layers=1)
+    cache = PagedKVCache(cfg, 4, 4)
+    assert cache.decode_impl == ("kernel" if cpu_decode_kernel() else "gather")
+    assert PagedKVCache(cfg, 4, 4, dtype=torch.bfloat16).decode_impl == "gather"   # the kernel is float32 only
+    if not cpu_decode_kernel(): pytest.skip("no C compiler here")
+    with pytest.raises(ValueError, match="float32"):
+        PagedKVCache(cfg, 4, 4, dtype=torch.bfloat16, decode_impl="kernel")
+    with pytest.raises(ValueError, match="outside the pool"):   # a bad table must not reach the kernel's raw reads
+        cache.prepare(torch.tensor([0]), torch.tensor([[7]]), torch.tensor([1]), [1])
+    with pytest.raises(ValueError, match="does not fit"):
+        cache.prepare(torch.tensor([0]), torch.tensor([[1]]), torch.tensor([5]), [1])
+    q = torch.zeros(1, 4, 16)
+    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+        paged_decode_kernel(q, cache.k[0], cache.v[0], q.clone(), torch.tensor([0], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
 
 
 def test_prepare_groups_decode_rows_by_length():
     cfg = attn_cfg(4, 2, 16, layers=1)
-    cache, *_ = random_step(cfg, 20, 4, (1, 100), 0.0, 3, decode_group=8)
+    cache, *_ = random_step(cfg, 20, 4, (1, 100), 0.0, 3, decode_impl="gather", decode_group=8)
     assert [len(tok) for tok, _, _ in cache.decode_groups] == [8, 8, 4]
     widths = [blocks.shape[1] for _, blocks, _ in cache.decode_groups]
     assert widths == sorted(widths) and widths[-1] == -(-int(cache.context_lens.max()) // 4)
@@ -123,7 +149,8 @@ def generate_contiguous(model, prompt, n):
 
 @pytest.mark.parametrize("arch,heads,block_size,chunk,impl", [
     ("Qwen2ForCausalLM", (4, 2), 4, 8, "gather"), ("Qwen2ForCausalLM", (6, 1), 16, None, "gather"),
-    ("LlamaForCausalLM", (4, 4), 3, 5, "flash"), ("Qwen2ForCausalLM", (4, 2), 8, 7, "reference")])
+    ("LlamaForCausalLM", (4, 4), 3, 5, "flash"), ("Qwen2ForCausalLM", (4, 2), 8, 7, "reference"),
+    *[(a, h, b, c, "kernel") for a, h, b, c in [("Qwen2ForCausalLM", (4, 2), 4, 8), ("LlamaForCausalLM", (4, 1), 5, None)] if "kernel" in IMPLS]])
 def test_generate_paged_equals_contiguous(arch, heads, block_size, chunk, impl):
     cfg = ModelConfig(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=heads[0],
                       num_key_value_heads=heads[1], architecture=arch, attention_bias=arch == "Qwen2ForCausalLM")
