@@ -8,10 +8,11 @@ Docs: https://mini-infer.github.io/mini-infer/cli.html.md"""
 __all__ = ['cmd_generate', 'stream_chat', 'cmd_chat', 'cmd_info', 'cmd_bench_offline', 'cmd_bench_serve', 'cmd_serve',
            'build_parser', 'main']
 
-# %% ../nbs/90_cli.ipynb #ba9d9607
-import argparse, math, sys
+# %% ../nbs/90_cli.ipynb #89f8c08d
+import argparse, json, math, sys
+from pathlib import Path
 
-# %% ../nbs/90_cli.ipynb #c9c99199
+# %% ../nbs/90_cli.ipynb #026dc4a5
 def _sampling(a):
     "SamplingParams from the shared command-line options."
     from mini_infer.sampling import SamplingParams
@@ -63,9 +64,12 @@ def cmd_info(a):
     print(info_table(model, plan, a.model or getattr(model, "name_or_path", None)))
 
 def cmd_bench_offline(a):
-    from mini_infer.bench import run_offline_bench
-    run_offline_bench(a.model, num_requests=a.num_requests, input_len=tuple(a.input_len), output_len=tuple(a.output_len),
-                      seed=a.seed, peers=not a.no_peers, device=a.device, dtype=a.dtype)
+    from mini_infer.bench import run_offline_bench, format_table
+    r = run_offline_bench(a.model, num_requests=a.num_requests, input_len=tuple(a.input_len), output_len=tuple(a.output_len),
+                          seed=a.seed, batch_size=a.batch_size, peers=not a.no_peers, device=a.device, dtype=a.dtype,
+                          num_threads=a.threads)
+    print(format_table(r))
+    if a.save_json: Path(a.save_json).write_text(json.dumps(r, indent=2, default=str))
 
 def cmd_bench_serve(a):
     from mini_infer.bench_serve import run_bench_serve, sweep
@@ -81,7 +85,7 @@ def cmd_serve(a):
           kv_cache_memory_gb=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization, dtype=a.dtype, device=a.device,
           max_waiting=a.max_waiting)
 
-# %% ../nbs/90_cli.ipynb #6a1c4ac3
+# %% ../nbs/90_cli.ipynb #be36cd5a
 def _model_args(p):
     p.add_argument("--model", "-m", default=None, help="Hub id, local directory, .gguf file or 'smollm2-135m' (default: Qwen2.5-0.5B-Instruct if available, else the bundled SmolLM2)")
     p.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
@@ -117,7 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("offline", help="offline throughput against transformers"); _model_args(p)
     p.add_argument("--num-requests", type=int, default=64); p.add_argument("--input-len", type=int, nargs=2, default=[32, 256])
     p.add_argument("--output-len", type=int, nargs=2, default=[32, 128]); p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-peers", action="store_true", help="skip transformers"); p.set_defaults(fn=cmd_bench_offline)
+    p.add_argument("--batch-size", type=int, default=32, help="batch size of the static baselines")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    p.add_argument("--save-json", default=None); p.add_argument("--no-peers", action="store_true", help="skip transformers")
+    p.set_defaults(fn=cmd_bench_offline)
     p = bench.add_parser("serve", help="latency and throughput of any OpenAI-compatible server")
     p.add_argument("--url", default="http://127.0.0.1:8000"); p.add_argument("--model", default=None)
     p.add_argument("--num-prompts", type=int, default=100); p.add_argument("--input-len", type=int, default=64); p.add_argument("--output-len", type=int, default=64)
