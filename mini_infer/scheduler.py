@@ -52,13 +52,13 @@ class Sequence:
         if start + n <= p: return self.prompt_ids[start:start + n]
         return self.prompt_ids[start:] + self.output_ids[:start + n - p]
 
-# %% ../nbs/03_continuous_batching.ipynb #ef32b9af
+# %% ../nbs/03_continuous_batching.ipynb #b242088b
 @dataclass
 class SchedulerConfig:
     "Limits of one step."
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_prefill_chunk: int = 512     # the most prompt tokens of one request per step
+    max_num_batched_tokens: int = 512  # small steps keep a CPU's activations in cache; GPUs may prefer 2048+
+    max_prefill_chunk: int = 512       # the most prompt tokens of one request per step
     enable_chunked_prefill: bool = True
 
     def __post_init__(self):
@@ -115,8 +115,9 @@ class Scheduler:
         # 2. waiting requests, in queue order, while budget, seats and blocks last
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            n = min(seq.num_pending, cfg.max_prefill_chunk, budget)
-            if n < seq.num_pending and not cfg.enable_chunked_prefill: break
+            if cfg.enable_chunked_prefill: n = min(seq.num_pending, cfg.max_prefill_chunk, budget)
+            elif seq.num_pending <= budget or not decodes + prefills: n = seq.num_pending   # whole; a prompt over budget runs alone
+            else: break
             if not seq.block_table.append(seq.num_computed + n - seq.block_table.num_tokens, self.allocator): break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING

@@ -31,12 +31,14 @@ def engine(llm, **kw):
 
 
 @pytest.mark.parametrize("kw", [
-    dict(),                                                              # defaults: big budget, chunked prefill on
+    dict(),                                                              # defaults: 512-token budget, chunked prefill on
+    dict(max_num_batched_tokens=4096),                                   # a big budget: every prompt in the first step
     dict(max_num_batched_tokens=64, max_prefill_chunk=16),               # prompts split into many chunks
     dict(max_num_batched_tokens=256, enable_chunked_prefill=False),      # whole prompts only
+    dict(max_num_batched_tokens=32, enable_chunked_prefill=False, trace=True),  # prompts over the budget run alone
     dict(num_blocks=14, block_size=8, max_prefill_chunk=32),             # a pool for ~2 requests: forced preemption
     dict(max_num_seqs=5),                                                # few seats
-], ids=["default", "chunked", "unchunked", "preempt", "few-seats"])
+], ids=["default", "big-budget", "chunked", "unchunked", "unchunked-long", "preempt", "few-seats"])
 def test_batched_equals_alone(llm, workload, alone, kw):
     prompts, params = workload
     eng = engine(llm, **kw)
@@ -45,6 +47,10 @@ def test_batched_equals_alone(llm, workload, alone, kw):
     assert all(o.finish_reason == "length" for o in outs)
     assert eng.allocator.num_free == eng.allocator.num_blocks
     if "num_blocks" in kw: assert eng.stats()["preemptions_total"] > 0
+    if kw.get("trace"):   # whole prompts: every prefill step is one prompt, or prompts that fit the budget together
+        for st in eng.trace:
+            assert st.num_prefill_tokens <= 32 or [n for _, n, d in st.work] == [st.num_prefill_tokens]
+        assert max(st.num_prefill_tokens for st in eng.trace) == max(map(len, prompts))
 
 
 def test_seeded_sampling_independent_of_batch(llm, workload):
