@@ -70,17 +70,18 @@ class ModelConfig:
         e = self.eos_token_id
         return [] if e is None else [e] if isinstance(e, int) else list(e)
 
-# %% ../nbs/01_model.ipynb #dd20ff8d
+# %% ../nbs/01_model.ipynb #953130f1
 class RMSNorm(nn.Module):
     "Root-mean-square norm with a learned gain, computed in float32."
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):  # F.rms_norm is x / sqrt(mean(x^2) + eps) in one kernel
-        return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype) * self.weight
+    def forward(self, x):  # F.rms_norm is x / sqrt(mean(x^2) + eps) * g in one kernel
+        if x.dtype == torch.float32: return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        return F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype) * self.weight   # half types: gain after the cast, as HF does
 
-# %% ../nbs/01_model.ipynb #81b2d416
+# %% ../nbs/01_model.ipynb #63c3e237
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     "Inverse frequencies of the rotary embedding, with Llama-3 scaling when the config asks for it."
     d = cfg.head_dim
@@ -118,9 +119,9 @@ class RotaryEmbedding(nn.Module):
 def apply_rope(x, cos, sin):
     "Rotate `x` [T, heads, head_dim] by the angles in `cos`/`sin` from `RotaryEmbedding`: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([x2, x1], -1) * sin
+    return torch.cat([x2, x1], -1).mul_(sin).add_(x * cos)   # in place: two temporaries fewer than `x * cos + rot * sin`
 
-# %% ../nbs/01_model.ipynb #726c4bdb
+# %% ../nbs/01_model.ipynb #92e9964f
 class KVCache:
     "What attention needs from a cache. `attend` stores this step's k/v and returns attention over the whole context."
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -129,14 +130,13 @@ class KVCache:
 def causal_attention(q, k, v, q_start: int):
     "Attention of `q` [T, Hq, D] (positions q_start..q_start+T-1) over `k`, `v` [S, Hkv, D] (positions 0..S-1), causal, with GQA."
     T, S = q.shape[0], k.shape[0]
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1: k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    if T == 1: out = F.scaled_dot_product_attention(q, k, v)  # a single new token sees everything
-    elif q_start == 0 and T == S: out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    gqa = q.shape[0] != k.shape[0]   # SDPA shares each K/V head among its group of query heads, without copying K/V
+    if T == 1: out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)  # a single new token sees everything
+    elif q_start == 0 and T == S: out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     else:
         mask = torch.arange(S, device=q.device)[None] <= (q_start + torch.arange(T, device=q.device))[:, None]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return out.transpose(0, 1)
 
 class ContiguousKVCache(KVCache):
@@ -158,7 +158,7 @@ class ContiguousKVCache(KVCache):
         self.v[layer, self.start:self.end] = v
         return causal_attention(q, self.k[layer, :self.end], self.v[layer, :self.end], self.start)
 
-# %% ../nbs/01_model.ipynb #28d91292
+# %% ../nbs/01_model.ipynb #81291ed0
 class Attention(nn.Module):
     "Grouped-query self-attention with rotary embeddings; K/V go through the cache."
     def __init__(self, cfg: ModelConfig, layer_idx: int):
@@ -184,7 +184,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x): return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x):
+        h = F.silu(self.gate_proj(x), inplace=True)     # in place: the same numbers, fewer big temporaries
+        return self.down_proj(h.mul_(self.up_proj(x)))
 
 class DecoderLayer(nn.Module):
     "Pre-norm attention and MLP blocks, each with a residual connection."
@@ -197,7 +199,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, cache):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 # %% ../nbs/01_model.ipynb #f305ce3c
 class Decoder(nn.Module):
