@@ -121,7 +121,7 @@ def apply_rope(x, cos, sin):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x2, x1], -1).mul_(sin).add_(x * cos)   # in place: two temporaries fewer than `x * cos + rot * sin`
 
-# %% ../nbs/01_model.ipynb #92e9964f
+# %% ../nbs/01_model.ipynb #33f1f79b
 class KVCache:
     "What attention needs from a cache. `attend` stores this step's k/v and returns attention over the whole context."
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -130,14 +130,15 @@ class KVCache:
 def causal_attention(q, k, v, q_start: int):
     "Attention of `q` [T, Hq, D] (positions q_start..q_start+T-1) over `k`, `v` [S, Hkv, D] (positions 0..S-1), causal, with GQA."
     T, S = q.shape[0], k.shape[0]
-    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    gqa = q.shape[0] != k.shape[0]   # SDPA shares each K/V head among its group of query heads, without copying K/V
+    # [1, heads, tokens, D]: SDPA's fused (flash) kernels need 4-D inputs, 3-D ones fall back to the slow math path
+    q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
+    gqa = q.shape[1] != k.shape[1]   # SDPA shares each K/V head among its group of query heads, without copying K/V
     if T == 1: out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)  # a single new token sees everything
     elif q_start == 0 and T == S: out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     else:
         mask = torch.arange(S, device=q.device)[None] <= (q_start + torch.arange(T, device=q.device))[:, None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 class ContiguousKVCache(KVCache):
     "One sequence's keys and values in contiguous per-layer buffers; token at position p lives in slot p."
