@@ -237,55 +237,66 @@ def paged_decode_flash(q, k_pool, v_pool, blocks, mask, blocks_per_chunk: int = 
         m = m_new
     return (acc / l).reshape(R, -1, D).to(q.dtype)
 
-# %% ../nbs/02_paged_cache.ipynb #27763b7a
+# %% ../nbs/02_paged_cache.ipynb #484a5d47
 PAGED_DECODE_C = r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
-/* Paged decode attention, float32. Row r's query token q[tok[r]] ([Hq, D]) attends to the first ctx[r] tokens of its
-   sequence, read in place from one layer's pool [num_blocks, B, Hkv, D] through block_tables[r]; the result goes to
-   out[tok[r]]. Query head h reads KV head h / (Hq / Hkv) (GQA). Rows run in parallel. */
-void paged_decode_f32(const float *q, const float *k_pool, const float *v_pool, float *out,
-                      const int64_t *tok, const int64_t *block_tables, int64_t bt_stride, const int64_t *ctx,
-                      int64_t R, int64_t Hq, int64_t Hkv, int64_t D, int64_t B, float scale, int num_threads)
-{
-    const int64_t rep = Hq / Hkv, kv_stride = Hkv * D;
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t n = ctx[r], *bt = block_tables + r * bt_stride;
-        const float *qr = q + tok[r] * Hq * D;
-        float *o = out + tok[r] * Hq * D;
-        float *s = malloc(sizeof(float) * Hq * n);          /* scores [Hq, n] */
-        for (int64_t t = 0; t < n; t++) {                    /* 1. scores: each key read once, for all its query heads */
-            const float *k = k_pool + (bt[t / B] * B + t % B) * kv_stride;
-            for (int64_t h = 0; h < Hq; h++) {
-                const float *kh = k + (h / rep) * D, *qh = qr + h * D;
-                float dot = 0.f;
-                #pragma omp simd reduction(+:dot)
-                for (int64_t d = 0; d < D; d++) dot += qh[d] * kh[d];
-                s[h * n + t] = dot * scale;
-            }
-        }
-        for (int64_t h = 0; h < Hq; h++) {                   /* 2. softmax of each head's scores */
-            float *sh = s + h * n, m = -INFINITY, sum = 0.f;
-            for (int64_t t = 0; t < n; t++) m = fmaxf(m, sh[t]);
-            for (int64_t t = 0; t < n; t++) { sh[t] = expf(sh[t] - m); sum += sh[t]; }
-            for (int64_t t = 0; t < n; t++) sh[t] /= sum;
-            for (int64_t d = 0; d < D; d++) o[h * D + d] = 0.f;
-        }
-        for (int64_t t = 0; t < n; t++) {                    /* 3. weighted sum of values: each value read once */
-            const float *v = v_pool + (bt[t / B] * B + t % B) * kv_stride;
-            for (int64_t h = 0; h < Hq; h++) {
-                const float p = s[h * n + t], *vh = v + (h / rep) * D;
-                float *oh = o + h * D;
-                #pragma omp simd
-                for (int64_t d = 0; d < D; d++) oh[d] += p * vh[d];
-            }
-        }
-        free(s);
-    }
+static inline float f32_load(const float *p) { return *p; }
+static inline void f32_store(float *p, float x) { *p = x; }
+static inline float bf16_load(const uint16_t *p) { uint32_t u = (uint32_t)*p << 16; float x; memcpy(&x, &u, 4); return x; }
+static inline void bf16_store(uint16_t *p, float x) {             /* round to nearest even, as torch does */
+    uint32_t u; memcpy(&u, &x, 4);
+    *p = (u & 0x7fffffff) > 0x7f800000 ? (uint16_t)((u >> 16) | 0x40) : (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
+
+/* Paged decode attention. Row r's query token q[tok[r]] ([Hq, D]) attends to the first ctx[r] tokens of its sequence,
+   read in place from one layer's pool [num_blocks, B, Hkv, D] through block_tables[r]; the result goes to out[tok[r]].
+   Query head h reads KV head h / (Hq / Hkv) (GQA). Rows run in parallel; arithmetic is float32 whatever T is. */
+#define PAGED_DECODE(NAME, T, LOAD, STORE)                                                                       \
+void NAME(const T *q, const T *k_pool, const T *v_pool, T *out, const int64_t *tok, const int64_t *block_tables,  \
+          int64_t bt_stride, const int64_t *ctx, int64_t R, int64_t Hq, int64_t Hkv, int64_t D, int64_t B,         \
+          float scale, int num_threads)                                                                          \
+{                                                                                                                \
+    const int64_t rep = Hq / Hkv, kv_stride = Hkv * D;                                                           \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                                    \
+    for (int64_t r = 0; r < R; r++) {                                                                            \
+        const int64_t n = ctx[r], *bt = block_tables + r * bt_stride;                                            \
+        float *qf = malloc(sizeof(float) * (2 * Hq * D + Hq * n)), *acc = qf + Hq * D, *s = acc + Hq * D;        \
+        for (int64_t i = 0; i < Hq * D; i++) { qf[i] = LOAD(q + tok[r] * Hq * D + i) * scale; acc[i] = 0.f; }   \
+        for (int64_t t = 0; t < n; t++) {          /* 1. scores: each key read once, for all its query heads */  \
+            const T *k = k_pool + (bt[t / B] * B + t % B) * kv_stride;                                           \
+            for (int64_t h = 0; h < Hq; h++) {                                                                   \
+                const T *kh = k + (h / rep) * D; const float *qh = qf + h * D;                                   \
+                float dot = 0.f;                                                                                 \
+                _Pragma("omp simd reduction(+:dot)")                                                             \
+                for (int64_t d = 0; d < D; d++) dot += qh[d] * LOAD(kh + d);                                     \
+                s[h * n + t] = dot;                                                                              \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int64_t h = 0; h < Hq; h++) {         /* 2. softmax of each head's scores */                        \
+            float *sh = s + h * n, m = sh[0], sum = 0.f;                                                         \
+            for (int64_t t = 1; t < n; t++) m = fmaxf(m, sh[t]);                                                 \
+            for (int64_t t = 0; t < n; t++) { sh[t] = expf(sh[t] - m); sum += sh[t]; }                           \
+            for (int64_t t = 0; t < n; t++) sh[t] /= sum;                                                        \
+        }                                                                                                        \
+        for (int64_t t = 0; t < n; t++) {          /* 3. weighted sum of values: each value read once */         \
+            const T *v = v_pool + (bt[t / B] * B + t % B) * kv_stride;                                           \
+            for (int64_t h = 0; h < Hq; h++) {                                                                   \
+                const float p = s[h * n + t]; const T *vh = v + (h / rep) * D; float *ah = acc + h * D;          \
+                _Pragma("omp simd")                                                                              \
+                for (int64_t d = 0; d < D; d++) ah[d] += p * LOAD(vh + d);                                       \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int64_t i = 0; i < Hq * D; i++) STORE(out + tok[r] * Hq * D + i, acc[i]);                           \
+        free(qf);                                                                                                \
+    }                                                                                                            \
+}
+
+PAGED_DECODE(paged_decode_f32, float, f32_load, f32_store)
+PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_load, bf16_store)
 """
 
 def _compile(src: str, flags: list[str]) -> Path:
@@ -303,34 +314,35 @@ def _compile(src: str, flags: list[str]) -> Path:
     return lib
 
 @functools.cache
-def cpu_decode_kernel():
-    "The compiled paged-decode kernel (a ctypes function), or None where it cannot be built; $MINI_INFER_NO_KERNELS=1 turns it off."
+def cpu_decode_kernel() -> dict | None:
+    "The compiled paged-decode kernels, {dtype: ctypes function}, or None where they cannot be built; $MINI_INFER_NO_KERNELS=1 turns them off."
     if os.environ.get("MINI_INFER_NO_KERNELS"): return None
     base = ["-O3", "-march=native", "-shared", "-fPIC"]
     for flags in (base + ["-fopenmp"], base):   # without OpenMP (e.g. Apple clang) the kernel runs on one thread
-        try: fn = ctypes.CDLL(str(_compile(PAGED_DECODE_C, flags))).paged_decode_f32
+        try: lib = ctypes.CDLL(str(_compile(PAGED_DECODE_C, flags)))
         except (OSError, subprocess.SubprocessError) as e: err = e; continue
+        fns = {torch.float32: lib.paged_decode_f32, torch.bfloat16: lib.paged_decode_bf16}
         P, I = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes, fn.restype = [P, P, P, P, P, P, I, P, I, I, I, I, I, ctypes.c_float, ctypes.c_int], None
-        return fn
+        for fn in fns.values(): fn.argtypes, fn.restype = [P, P, P, P, P, P, I, P, I, I, I, I, I, ctypes.c_float, ctypes.c_int], None
+        return fns
     warnings.warn(f"paged-attention kernel unavailable, using the PyTorch gather path ({type(err).__name__}: {err})")
     return None
 
 def paged_decode_kernel(q, k_pool, v_pool, out, tok, block_tables, context_lens):
-    """Decode attention for the rows whose query token is `q[tok[r]]` ([T, Hq, D], float32, CPU), written to `out[tok[r]]`;
-    `block_tables` [R, width] and `context_lens` [R] (int64) describe each row's context in the pool."""
-    fn = cpu_decode_kernel()
-    if fn is None: raise RuntimeError("the paged-attention kernel is not available on this machine")
+    """Decode attention for the rows whose query token is `q[tok[r]]` ([T, Hq, D], CPU, float32 or bfloat16), written to
+    `out[tok[r]]`; `block_tables` [R, width] and `context_lens` [R] (int64) describe each row's context in the pool."""
+    fns = cpu_decode_kernel()
+    if fns is None: raise RuntimeError("the paged-attention kernel is not available on this machine")
     ts = [q, k_pool, v_pool, out, tok, block_tables, context_lens]
-    if not all(t.is_contiguous() and t.device.type == "cpu" for t in ts) or q.dtype != torch.float32 or k_pool.dtype != torch.float32 \
-            or out.dtype != torch.float32 or any(t.dtype != torch.int64 for t in ts[4:]):
-        raise ValueError("paged_decode_kernel needs contiguous CPU tensors: float32 q, pools and out, int64 indices")
+    if not all(t.is_contiguous() and t.device.type == "cpu" for t in ts) or q.dtype not in fns \
+            or any(t.dtype != q.dtype for t in ts[1:4]) or any(t.dtype != torch.int64 for t in ts[4:]):
+        raise ValueError("paged_decode_kernel needs contiguous CPU tensors: q, pools and out all float32 or all bfloat16, int64 indices")
     (T, Hq, D), (_, B, Hkv, _) = q.shape, k_pool.shape
-    fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tok.data_ptr(), block_tables.data_ptr(),
-       block_tables.shape[1], context_lens.data_ptr(), len(tok), Hq, Hkv, D, B, D ** -0.5, torch.get_num_threads())
+    fns[q.dtype](q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tok.data_ptr(), block_tables.data_ptr(),
+                 block_tables.shape[1], context_lens.data_ptr(), len(tok), Hq, Hkv, D, B, D ** -0.5, torch.get_num_threads())
     return out
 
-# %% ../nbs/02_paged_cache.ipynb #011d0673
+# %% ../nbs/02_paged_cache.ipynb #f5972310
 class PagedKVCache(KVCache):
     "K/V of many sequences in one pool of fixed-size blocks, for all layers; attention reads through block tables."
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16, device=None, dtype=torch.float32,
@@ -339,8 +351,9 @@ class PagedKVCache(KVCache):
         shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        kernel_ok = self.k.device.type == "cpu" and dtype == torch.float32 and cpu_decode_kernel() is not None
-        if decode_impl == "kernel" and not kernel_ok: raise ValueError("decode_impl='kernel' needs a float32 pool on a CPU that can build the kernel")
+        kernel_ok = self.k.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_decode_kernel() is not None
+        if decode_impl == "kernel" and not kernel_ok:
+            raise ValueError("decode_impl='kernel' needs a float32 or bfloat16 pool on a CPU that can build the kernel")
         if decode_impl == "auto": decode_impl = "kernel" if kernel_ok else "gather"
         self.num_blocks, self.block_size, self.decode_impl, self.decode_group = num_blocks, block_size, decode_impl, decode_group
         self._ws = None   # workspace for gathered decode K/V, reused across layers and steps

@@ -39,8 +39,8 @@ def random_step(cfg, n_rows, block_size, ctx_range, chunk_frac, seed, **cache_kw
         kv = [torch.randn(cfg.num_hidden_layers, c, H, D, generator=g) for _ in range(2)]
         old = torch.tensor(tb.slots(0, c - n), dtype=torch.long)
         for layer in range(cfg.num_hidden_layers):
-            cache.k[layer].view(-1, H, D)[old] = kv[0][layer, :c - n]
-            cache.v[layer].view(-1, H, D)[old] = kv[1][layer, :c - n]
+            cache.k[layer].view(-1, H, D)[old] = kv[0][layer, :c - n].to(cache.k.dtype)
+            cache.v[layer].view(-1, H, D)[old] = kv[1][layer, :c - n].to(cache.v.dtype)
         assert tb.append(n, alloc)
         tables.append(tb); full.append(kv)
     T = sum(qlens)
@@ -103,10 +103,11 @@ def test_kernel_default_and_rejections():
     cfg = attn_cfg(4, 2, 16, layers=1)
     cache = PagedKVCache(cfg, 4, 4)
     assert cache.decode_impl == ("kernel" if cpu_decode_kernel() else "gather")
-    assert PagedKVCache(cfg, 4, 4, dtype=torch.bfloat16).decode_impl == "gather"   # the kernel is float32 only
+    assert PagedKVCache(cfg, 4, 4, dtype=torch.float16).decode_impl == "gather"   # the kernel is float32 and bfloat16 only
     if not cpu_decode_kernel(): pytest.skip("no C compiler here")
-    with pytest.raises(ValueError, match="float32"):
-        PagedKVCache(cfg, 4, 4, dtype=torch.bfloat16, decode_impl="kernel")
+    assert PagedKVCache(cfg, 4, 4, dtype=torch.bfloat16).decode_impl == "kernel"
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        PagedKVCache(cfg, 4, 4, dtype=torch.float16, decode_impl="kernel")
     with pytest.raises(ValueError, match="outside the pool"):   # a bad table must not reach the kernel's raw reads
         cache.prepare(torch.tensor([0]), torch.tensor([[7]]), torch.tensor([1]), [1])
     with pytest.raises(ValueError, match="does not fit"):
@@ -114,6 +115,24 @@ def test_kernel_default_and_rejections():
     q = torch.zeros(1, 4, 16)
     with pytest.raises(ValueError, match="contiguous CPU tensors"):
         paged_decode_kernel(q, cache.k[0], cache.v[0], q.clone(), torch.tensor([0], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
+    with pytest.raises(ValueError, match="all float32 or all bfloat16"):
+        paged_decode_kernel(q.bfloat16(), cache.k[0], cache.v[0], q.clone(), torch.tensor([0]), torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
+
+
+@pytest.mark.skipif("kernel" not in IMPLS, reason="no C compiler here")
+@pytest.mark.parametrize("seed", range(3))
+def test_bfloat16_kernel_equals_float32_attention_of_the_same_numbers(seed):
+    "A bfloat16 pool: the kernel reads 16-bit K/V and computes in float32, so it matches float32 attention over the same (rounded) values to bfloat16 output precision."
+    cfg = attn_cfg(9, 3, 64, layers=1)
+    cache, q, k, v, full, qlens = random_step(cfg, 24, 16, (1, 300), 0.0, seed, dtype=torch.bfloat16)
+    assert cache.decode_impl == "kernel"
+    got = cache.attend(0, q[0].bfloat16(), k[0].bfloat16(), v[0].bfloat16())
+    assert got.dtype == torch.bfloat16
+    round16 = lambda t: t.bfloat16().float()
+    want = torch.cat([causal_attention(round16(q[0][i:i + 1]), round16(kk[0]), round16(vv[0]), kk.shape[1] - 1)
+                      for i, (kk, vv) in enumerate(full)])
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)   # bfloat16 has 8 significant bits
+    assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max()
 
 
 def test_prepare_groups_decode_rows_by_length():
