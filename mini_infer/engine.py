@@ -7,7 +7,7 @@ __all__ = ['ModelRunner', 'EngineConfig', 'StepOutput', 'StepTrace', 'LLMEngine'
 import time, uuid
 from dataclasses import dataclass, field, fields
 
-# %% ../nbs/03_continuous_batching.ipynb #ff78c49d
+# %% ../nbs/03_continuous_batching.ipynb #c6d1ea74
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
@@ -17,6 +17,7 @@ from .sampling import SamplingParams, Sampler, TokenLogprob
 from .paged_cache import BlockAllocator, BlockTable, PagedKVCache, plan_memory
 from .scheduler import Sequence, SeqStatus, Scheduler, SchedulerConfig, ScheduledStep
 from .llm import LLM, RequestOutput, TextStream, finish_reason_for, _as_prompt_list
+from .cpu_kernels import use_cpu_kernels
 
 # %% ../nbs/03_continuous_batching.ipynb #2692269e
 class ModelRunner:
@@ -40,7 +41,7 @@ class ModelRunner:
         for seq, n in work: seq.num_computed += n
         return sample_rows, logits
 
-# %% ../nbs/03_continuous_batching.ipynb #6cdf2405
+# %% ../nbs/03_continuous_batching.ipynb #f73c82d6
 @dataclass
 class EngineConfig(SchedulerConfig):
     "Scheduler limits plus the KV pool: `num_blocks` directly, or a memory budget to derive it from."
@@ -50,6 +51,7 @@ class EngineConfig(SchedulerConfig):
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
     trace: bool = False              # record per-step details for the figures
+    cpu_kernels: bool = True         # on a CPU, run the model's matmuls and norms on chapter 7's C kernels
 
 @dataclass
 class StepOutput:
@@ -74,7 +76,7 @@ class StepTrace:
     seconds: float
     work: list[tuple[str, int, bool]] = field(default_factory=list)  # (request id, tokens, is decode)
 
-# %% ../nbs/03_continuous_batching.ipynb #ce785f16
+# %% ../nbs/03_continuous_batching.ipynb #5f516c11
 class LLMEngine:
     "Continuous batching over a paged KV cache: `add_request`, then `step()` until `has_unfinished()` is False."
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None, **kwargs):
@@ -84,6 +86,7 @@ class LLMEngine:
         else:   # a budget too small for one sequence is rejected here, at start-up, with the numbers
             plan = plan_memory(model.config, model.device, model.dtype, cfg.kv_cache_memory_gb, cfg.gpu_memory_utilization, cfg.block_size)
             num_blocks = plan.check(cfg.max_model_len or cfg.block_size).num_blocks
+        if cfg.cpu_kernels and model.device.type == "cpu": use_cpu_kernels(model)   # in place; a no-op without a compiler
         self.cache = PagedKVCache(model.config, num_blocks, cfg.block_size, model.device, model.dtype)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(cfg, self.allocator)

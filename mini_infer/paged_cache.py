@@ -237,7 +237,7 @@ def paged_decode_flash(q, k_pool, v_pool, blocks, mask, blocks_per_chunk: int = 
         m = m_new
     return (acc / l).reshape(R, -1, D).to(q.dtype)
 
-# %% ../nbs/02_paged_cache.ipynb #484a5d47
+# %% ../nbs/02_paged_cache.ipynb #0cd27320
 PAGED_DECODE_C = r"""
 #include <math.h>
 #include <stdint.h>
@@ -299,15 +299,15 @@ PAGED_DECODE(paged_decode_f32, float, f32_load, f32_store)
 PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_load, bf16_store)
 """
 
-def _compile(src: str, flags: list[str]) -> Path:
-    "Compile `src` into a shared library in the cache folder (once: it is keyed by a hash of source and flags)."
+def _compile(src: str, flags: list[str], name: str = "paged_decode") -> Path:
+    "Compile `src` into a shared library `name-<hash>.so` in the cache folder (once: it is keyed by a hash of source and flags)."
     out_dir = cache_root() / "kernels"
     key = hashlib.sha1(" ".join([src, *flags, platform.machine()]).encode()).hexdigest()[:16]
-    lib = out_dir / f"paged_decode-{key}.so"
+    lib = out_dir / f"{name}-{key}.so"
     if not lib.exists():
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:   # build aside, then rename: safe with parallel processes
-            c = Path(tmp) / "paged_decode.c"
+            c = Path(tmp) / f"{name}.c"
             c.write_text(src)
             subprocess.run([os.environ.get("CC", "cc"), *flags, str(c), "-o", str(c.with_suffix(".so"))], check=True, capture_output=True, timeout=120)
             os.replace(c.with_suffix(".so"), lib)
