@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from .model import RMSNorm
 from .paged_cache import _compile
 
-# %% ../nbs/07_cpu_kernels.ipynb #f6888948
+# %% ../nbs/07_cpu_kernels.ipynb #13218ae8
 CPU_KERNELS_C = r"""
 #include <stdint.h>
 #include <string.h>
@@ -65,6 +65,7 @@ static const tile_fn tiles[] = {0, tile1, tile2, tile3, tile4, tile5, tile6,
 
 /* y[M, N] = x[M, K] @ W.T + bias, with W packed as [ceil(N / NB), K, NB] (zero columns past N) and bias padded alike. */
 void linear_packed(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
+    if (M <= 0) return;
     const int64_t P = (N + NB - 1) / NB, G = (M + MR - 1) / MR, lines = K * NB * 4 / 64, per = (lines + G - 1) / G;
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t p = 0; p < P; p++) {

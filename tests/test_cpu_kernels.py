@@ -1,0 +1,55 @@
+"Chapter 7's CPU kernels: against transformers on Qwen2 (q/k/v bias) and Llama, repacking after weight changes, rejected input."
+import copy
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from mini_infer.cpu_kernels import cpu_kernels, pack_weight, linear_packed, PackedLinear, use_cpu_kernels
+from mini_infer.loader import load_safetensors
+from test_loader import tiny_hf, our_logits
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C compiler for the CPU kernels")
+
+@pytest.mark.parametrize("arch,heads,kv,tied", [("qwen2", 4, 2, True), ("qwen2", 4, 1, False), ("llama", 6, 2, True)])
+def test_kernel_model_matches_transformers(tmp_path, arch, heads, kv, tied):
+    hf = tiny_hf(arch, heads, kv, tied)
+    hf.save_pretrained(tmp_path)
+    model = load_safetensors(tmp_path, "cpu", torch.float32)
+    plain = copy.deepcopy(model)
+    n_linear = sum(type(m) is nn.Linear for m in model.modules())
+    assert use_cpu_kernels(model) == n_linear + 2 * model.config.num_hidden_layers + 1
+    ids = torch.randint(0, 101, (23,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(): ref = hf(ids[None]).logits[0]
+    ours = our_logits(model, ids)
+    assert (ours - ref).abs().max().item() <= 1e-4
+    assert (ours - our_logits(plain, ids)).abs().max().item() <= 1e-4
+
+def test_repacks_after_load_state_dict():
+    lin = nn.Linear(40, 70)   # 70 outputs: a partial last panel
+    pl = PackedLinear(lin)
+    x = torch.randn(5, 40)
+    with torch.inference_mode(): before = pl(x)
+    new = nn.Linear(40, 70).state_dict()
+    lin.load_state_dict(new)
+    with torch.inference_mode(): after = pl(x)
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, F.linear(x, new["weight"], new["bias"]), rtol=1e-5, atol=1e-5)
+
+def test_grad_and_other_dtypes_take_pytorch_path():
+    pl = PackedLinear(nn.Linear(16, 32))
+    x = torch.randn(3, 16, requires_grad=True)
+    pl(x).sum().backward()   # autograd works: the kernel is only used for inference
+    assert pl.weight.grad is not None
+    xb = torch.randn(3, 16, dtype=torch.bfloat16)
+    assert PackedLinear(nn.Linear(16, 32).to(torch.bfloat16))(xb).dtype == torch.bfloat16
+
+def test_linear_packed_rejects_bad_input():
+    nb = cpu_kernels().packed_block()
+    W = torch.randn(64, 32)
+    Wp = pack_weight(W, nb)
+    with pytest.raises(ValueError): linear_packed(torch.randn(4, 31), Wp, 64)                  # wrong K
+    with pytest.raises(ValueError): linear_packed(torch.randn(4, 32).double(), Wp, 64)         # wrong dtype
+    with pytest.raises(ValueError): linear_packed(torch.randn(32, 4).T, Wp, 64)                # not contiguous
+    with pytest.raises(ValueError): linear_packed(torch.randn(4, 32), Wp, 64 + nb)             # more outputs than panels
+    with pytest.raises(ValueError): linear_packed(torch.randn(4, 32), Wp, 64, torch.zeros(3))  # bias not padded
+    torch.testing.assert_close(linear_packed(torch.randn(0, 32), Wp, 64), torch.empty(0, 64))  # no rows: nothing to do
