@@ -348,7 +348,7 @@ def paged_decode_kernel(q, k_pool, v_pool, out, tok, block_tables, context_lens)
                  block_tables.shape[1], context_lens.data_ptr(), len(tok), Hq, Hkv, D, B, D ** -0.5, torch.get_num_threads())
     return out
 
-# %% ../nbs/02_paged_cache.ipynb #f5972310
+# %% ../nbs/02_paged_cache.ipynb #700c1c0d
 class PagedKVCache(KVCache):
     "K/V of many sequences in one pool of fixed-size blocks, for all layers; attention reads through block tables."
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16, device=None, dtype=torch.float32,
@@ -415,8 +415,9 @@ class PagedKVCache(KVCache):
         if self.decode_impl == "reference":
             return paged_attention_ref(q, kp, vp, self.block_tables, self.context_lens, self.query_lens)
         q, out = q.contiguous(), torch.empty_like(q)
-        for s, e, blocks, q_start, c in self.prefills:
-            out[s:e] = causal_attention(q[s:e], gather_blocks(kp, blocks, c), gather_blocks(vp, blocks, c), q_start)
+        for s, e, blocks, q_start, c in self.prefills:   # a chunk that starts the sequence needs nothing from the pool
+            kc, vc = (k[s:e].to(kp.dtype), v[s:e].to(vp.dtype)) if q_start == 0 else (gather_blocks(kp, blocks, c), gather_blocks(vp, blocks, c))
+            out[s:e] = causal_attention(q[s:e], kc, vc, q_start)
         for tok, blocks, lens_or_mask in self.decode_groups:
             if self.decode_impl == "kernel": paged_decode_kernel(q, kp, vp, out, tok, blocks, lens_or_mask)
             elif self.decode_impl == "flash": out[tok] = paged_decode_flash(q[tok], kp, vp, blocks, lens_or_mask)
