@@ -7,17 +7,17 @@ Docs: https://mini-infer.github.io/mini-infer/cpu_kernels.html.md"""
 # %% auto #0
 __all__ = ['CPU_KERNELS_C', 'cpu_kernels', 'pack_weight', 'linear_packed', 'PackedLinear', 'KernelRMSNorm', 'use_cpu_kernels']
 
-# %% ../nbs/07_cpu_kernels.ipynb #1537c444
-import ctypes, functools, os, subprocess, warnings
+# %% ../nbs/07_cpu_kernels.ipynb #7b46e021
+import ctypes, functools
 
-# %% ../nbs/07_cpu_kernels.ipynb #b5c39456
+# %% ../nbs/07_cpu_kernels.ipynb #3ca8eea9
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .model import RMSNorm
-from .paged_cache import _compile
+from .paged_cache import _load_library
 
-# %% ../nbs/07_cpu_kernels.ipynb #13218ae8
+# %% ../nbs/07_cpu_kernels.ipynb #ce90eae6
 CPU_KERNELS_C = r"""
 #include <stdint.h>
 #include <string.h>
@@ -95,18 +95,13 @@ void rms_norm(const float *x, const float *w, float *y, int64_t M, int64_t N, fl
 @functools.cache
 def cpu_kernels() -> ctypes.CDLL | None:
     "The compiled library (`linear_packed`, `rms_norm`, `packed_block`), or None where it cannot be built; $MINI_INFER_NO_KERNELS=1 turns it off."
-    if os.environ.get("MINI_INFER_NO_KERNELS"): return None
-    base = ["-O3", "-march=native", "-shared", "-fPIC"]
-    for flags in (base + ["-fopenmp"], base):   # without OpenMP (e.g. Apple clang) the kernels run on one thread
-        try: lib = ctypes.CDLL(str(_compile(CPU_KERNELS_C, flags, "cpu_kernels")))
-        except (OSError, subprocess.SubprocessError) as e: err = e; continue
-        P, I = ctypes.c_void_p, ctypes.c_int64
-        lib.packed_block.argtypes, lib.packed_block.restype = [], I
-        lib.linear_packed.argtypes, lib.linear_packed.restype = [P, P, P, P, I, I, I, ctypes.c_int], None
-        lib.rms_norm.argtypes, lib.rms_norm.restype = [P, P, P, I, I, ctypes.c_float, ctypes.c_int], None
-        return lib
-    warnings.warn(f"CPU kernels unavailable, using PyTorch's ({type(err).__name__}: {err})")
-    return None
+    lib = _load_library(CPU_KERNELS_C, "cpu_kernels")
+    if lib is None: return None
+    P, I = ctypes.c_void_p, ctypes.c_int64
+    lib.packed_block.argtypes, lib.packed_block.restype = [], I
+    lib.linear_packed.argtypes, lib.linear_packed.restype = [P, P, P, P, I, I, I, ctypes.c_int], None
+    lib.rms_norm.argtypes, lib.rms_norm.restype = [P, P, P, I, I, ctypes.c_float, ctypes.c_int], None
+    return lib
 
 # %% ../nbs/07_cpu_kernels.ipynb #5af1152c
 def pack_weight(weight: torch.Tensor, block: int) -> torch.Tensor:
@@ -129,7 +124,12 @@ def linear_packed(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias
                       x.numel() // K, out_features, K, torch.get_num_threads())
     return y
 
-# %% ../nbs/07_cpu_kernels.ipynb #4dbff5ee
+# %% ../nbs/07_cpu_kernels.ipynb #51e08194
+def _kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    "Inference on CPU float32 with the kernels built; anything else (GPU, half types, autograd) takes PyTorch's path."
+    return cpu_kernels() is not None and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 \
+        and not (torch.is_grad_enabled() and weight.requires_grad)
+
 class PackedLinear(nn.Module):
     "An `nn.Linear` whose CPU float32 inference runs `linear_packed`; same parameters, same state dict."
     def __init__(self, linear: nn.Linear):
@@ -150,9 +150,7 @@ class PackedLinear(nn.Module):
         return self._packed, self._bias
 
     def forward(self, x):
-        if cpu_kernels() is None or x.device.type != "cpu" or x.dtype != self.weight.dtype or x.dtype != torch.float32 \
-                or (torch.is_grad_enabled() and self.weight.requires_grad):
-            return F.linear(x, self.weight, self.bias)
+        if not _kernel_applies(x, self.weight): return F.linear(x, self.weight, self.bias)
         packed, bias = self._panels()
         return linear_packed(x.contiguous(), packed, self.out_features, bias)
 
@@ -161,12 +159,9 @@ class PackedLinear(nn.Module):
 class KernelRMSNorm(RMSNorm):
     "`RMSNorm` whose CPU float32 forward is one C pass per row."
     def forward(self, x):
-        lib = cpu_kernels()
-        if lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or self.weight.dtype != torch.float32 \
-                or (torch.is_grad_enabled() and self.weight.requires_grad):
-            return super().forward(x)
+        if not _kernel_applies(x, self.weight): return super().forward(x)
         x = x.contiguous(); y = torch.empty_like(x)
-        lib.rms_norm(x.data_ptr(), self.weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], self.eps, torch.get_num_threads())
+        cpu_kernels().rms_norm(x.data_ptr(), self.weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], self.eps, torch.get_num_threads())
         return y
 
 def _kernel_version(m: nn.Module) -> nn.Module | None:

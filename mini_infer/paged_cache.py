@@ -237,7 +237,7 @@ def paged_decode_flash(q, k_pool, v_pool, blocks, mask, blocks_per_chunk: int = 
         m = m_new
     return (acc / l).reshape(R, -1, D).to(q.dtype)
 
-# %% ../nbs/02_paged_cache.ipynb #b907283d
+# %% ../nbs/02_paged_cache.ipynb #bcd97ce6
 PAGED_DECODE_C = r"""
 #include <math.h>
 #include <stdint.h>
@@ -305,7 +305,7 @@ PAGED_DECODE(paged_decode_f32, float, f32_load, f32_store)
 PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_load, bf16_store)
 """
 
-def _compile(src: str, flags: list[str], name: str = "paged_decode") -> Path:
+def _compile(src: str, flags: list[str], name: str) -> Path:
     "Compile `src` into a shared library `name-<hash>.so` in the cache folder (once: it is keyed by a hash of source and flags)."
     out_dir = cache_root() / "kernels"
     key = hashlib.sha1(" ".join([src, *flags, platform.machine()]).encode()).hexdigest()[:16]
@@ -319,20 +319,25 @@ def _compile(src: str, flags: list[str], name: str = "paged_decode") -> Path:
             os.replace(c.with_suffix(".so"), lib)
     return lib
 
+def _load_library(src: str, name: str) -> ctypes.CDLL | None:
+    "Build (once) and load the C library `src`; None, with a warning, where it cannot be built, and None if $MINI_INFER_NO_KERNELS=1."
+    if os.environ.get("MINI_INFER_NO_KERNELS"): return None
+    base = ["-O3", "-march=native", "-shared", "-fPIC"]
+    for flags in (base + ["-fopenmp"], base):   # without OpenMP (e.g. Apple clang) the kernels run on one thread
+        try: return ctypes.CDLL(str(_compile(src, flags, name)))
+        except (OSError, subprocess.SubprocessError) as e: err = e
+    warnings.warn(f"C kernels {name!r} unavailable, using PyTorch's path ({type(err).__name__}: {err})")
+    return None
+
 @functools.cache
 def cpu_decode_kernel() -> dict | None:
     "The compiled paged-decode kernels, {dtype: ctypes function}, or None where they cannot be built; $MINI_INFER_NO_KERNELS=1 turns them off."
-    if os.environ.get("MINI_INFER_NO_KERNELS"): return None
-    base = ["-O3", "-march=native", "-shared", "-fPIC"]
-    for flags in (base + ["-fopenmp"], base):   # without OpenMP (e.g. Apple clang) the kernel runs on one thread
-        try: lib = ctypes.CDLL(str(_compile(PAGED_DECODE_C, flags)))
-        except (OSError, subprocess.SubprocessError) as e: err = e; continue
-        fns = {torch.float32: lib.paged_decode_f32, torch.bfloat16: lib.paged_decode_bf16}
-        P, I = ctypes.c_void_p, ctypes.c_int64
-        for fn in fns.values(): fn.argtypes, fn.restype = [P, P, P, P, P, P, I, P, I, I, I, I, I, ctypes.c_float, ctypes.c_int], None
-        return fns
-    warnings.warn(f"paged-attention kernel unavailable, using the PyTorch gather path ({type(err).__name__}: {err})")
-    return None
+    lib = _load_library(PAGED_DECODE_C, "paged_decode")
+    if lib is None: return None
+    fns = {torch.float32: lib.paged_decode_f32, torch.bfloat16: lib.paged_decode_bf16}
+    P, I = ctypes.c_void_p, ctypes.c_int64
+    for fn in fns.values(): fn.argtypes, fn.restype = [P, P, P, P, P, P, I, P, I, I, I, I, I, ctypes.c_float, ctypes.c_int], None
+    return fns
 
 def paged_decode_kernel(q, k_pool, v_pool, out, tok, block_tables, context_lens):
     """Decode attention for the rows whose query token is `q[tok[r]]` ([T, Hq, D], CPU, float32 or bfloat16), written to
