@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from .model import RMSNorm
 from .paged_cache import _load_library
 
-# %% ../nbs/07_cpu_kernels.ipynb #ce90eae6
+# %% ../nbs/07_cpu_kernels.ipynb #5d22cd70
 CPU_KERNELS_C = r"""
 #include <stdint.h>
 #include <string.h>
@@ -35,15 +35,17 @@ typedef float vf __attribute__((vector_size(32)));
 int64_t packed_block(void) { return NB; }
 
 /* y[R rows, nc <= NB columns] = x[R, K] @ panel w [K, NB] + b[NB] (b may be NULL); while at it, prefetch npf cache lines
-   from pf (the next panel). Each output is one chain of FMAs over k in order: the same result whatever R is. */
+   from pf (the next panel) into L2, evenly spaced over the k loop: a burst of prefetches fills the core's few miss
+   buffers and stalls the arithmetic. Each output is one chain of FMAs over k in order: the same result whatever R is. */
 #define TILE(R)                                                                                                     \
 static void tile##R(const float *x, int64_t K, const float *w, const float *b, float *y, int64_t ldy, int64_t nc,     \
                     const char *pf, int64_t npf) {                                                                  \
     vf acc[R][2];                                                                                                   \
     for (int r = 0; r < R; r++) for (int j = 0; j < 2; j++)                                                         \
         if (b) memcpy(&acc[r][j], b + j * VL, sizeof(vf)); else acc[r][j] = (vf){0};                                \
-    for (int64_t k = 0; k < K; k++) {                                                                               \
-        if (k < npf) __builtin_prefetch(pf + 64 * k, 0, 3);                                                         \
+    const int64_t every = npf ? (K + npf - 1) / npf : K + 1;                                                        \
+    for (int64_t k = 0, next = 0, line = 0; k < K; k++) {                                                           \
+        if (k == next && line < npf) { __builtin_prefetch(pf + 64 * line++, 0, 2); next += every; }                 \
         vf w0, w1; memcpy(&w0, w + k * NB, sizeof(vf)); memcpy(&w1, w + k * NB + VL, sizeof(vf));                   \
         for (int r = 0; r < R; r++) { float s = x[r * K + k]; acc[r][0] += s * w0; acc[r][1] += s * w1; }          \
     }                                                                                                               \
