@@ -237,7 +237,7 @@ def paged_decode_flash(q, k_pool, v_pool, blocks, mask, blocks_per_chunk: int = 
         m = m_new
     return (acc / l).reshape(R, -1, D).to(q.dtype)
 
-# %% ../nbs/02_paged_cache.ipynb #6e1c5698
+# %% ../nbs/02_paged_cache.ipynb #1371e25e
 PAGED_DECODE_C = r"""
 #include <math.h>
 #include <stdint.h>
@@ -345,6 +345,18 @@ void NAME(const T *q, const T *k_pool, const T *v_pool, T *out, const int64_t *t
 
 PAGED_DECODE(paged_decode_f32, float, f32_load, f32_vload, f32_store)
 PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_load, bf16_vload, bf16_store)
+
+/* This step's keys and values into their slots: k_pool[slots[t]] = k[t], v_pool[slots[t]] = v[t], rows of `bytes` bytes.
+   The slots are scattered and a write to a line that is not in cache must read it first, so ask for them a few rows ahead. */
+void store_kv(const char *k, const char *v, char *k_pool, char *v_pool, const int64_t *slots, int64_t T, int64_t bytes,
+              int num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) if (T * bytes > 65536)")
+    for (int64_t t = 0; t < T; t++) {
+        if (t + 4 < T) { prefetch(k_pool + slots[t + 4] * bytes, bytes); prefetch(v_pool + slots[t + 4] * bytes, bytes); }
+        memcpy(k_pool + slots[t] * bytes, k + t * bytes, bytes);
+        memcpy(v_pool + slots[t] * bytes, v + t * bytes, bytes);
+    }
+}
 """
 
 def _compile(src: str, flags: list[str], name: str) -> Path:
@@ -372,30 +384,33 @@ def _load_library(src: str, name: str) -> ctypes.CDLL | None:
     return None
 
 @functools.cache
-def cpu_decode_kernel() -> dict | None:
-    "The compiled paged-decode kernels, {dtype: ctypes function}, or None where they cannot be built; $MINI_INFER_NO_KERNELS=1 turns them off."
+def cpu_decode_kernel() -> ctypes.CDLL | None:
+    "The compiled library (`paged_decode_f32`, `paged_decode_bf16`, `store_kv`), or None where it cannot be built; $MINI_INFER_NO_KERNELS=1 turns it off."
     lib = _load_library(PAGED_DECODE_C, "paged_decode")
     if lib is None: return None
-    fns = {torch.float32: lib.paged_decode_f32, torch.bfloat16: lib.paged_decode_bf16}
     P, I = ctypes.c_void_p, ctypes.c_int64
-    for fn in fns.values(): fn.argtypes, fn.restype = [P, P, P, P, P, P, I, P, I, I, I, I, I, ctypes.c_float, ctypes.c_int], None
-    return fns
+    for fn in (lib.paged_decode_f32, lib.paged_decode_bf16):
+        fn.argtypes, fn.restype = [P, P, P, P, P, P, I, P, I, I, I, I, I, ctypes.c_float, ctypes.c_int], None
+    lib.store_kv.argtypes, lib.store_kv.restype = [P, P, P, P, P, I, I, ctypes.c_int], None
+    return lib
+
+_DECODE_FN = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 
 def paged_decode_kernel(q, k_pool, v_pool, out, tok, block_tables, context_lens):
     """Decode attention for the rows whose query token is `q[tok[r]]` ([T, Hq, D], CPU, float32 or bfloat16), written to
     `out[tok[r]]`; `block_tables` [R, width] and `context_lens` [R] (int64) describe each row's context in the pool."""
-    fns = cpu_decode_kernel()
-    if fns is None: raise RuntimeError("the paged-attention kernel is not available on this machine")
+    lib = cpu_decode_kernel()
+    if lib is None: raise RuntimeError("the paged-attention kernel is not available on this machine")
     ts = [q, k_pool, v_pool, out, tok, block_tables, context_lens]
-    if not all(t.is_contiguous() and t.device.type == "cpu" for t in ts) or q.dtype not in fns \
+    if not all(t.is_contiguous() and t.device.type == "cpu" for t in ts) or q.dtype not in _DECODE_FN \
             or any(t.dtype != q.dtype for t in ts[1:4]) or any(t.dtype != torch.int64 for t in ts[4:]):
         raise ValueError("paged_decode_kernel needs contiguous CPU tensors: q, pools and out all float32 or all bfloat16, int64 indices")
     (T, Hq, D), (_, B, Hkv, _) = q.shape, k_pool.shape
-    fns[q.dtype](q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tok.data_ptr(), block_tables.data_ptr(),
+    getattr(lib, _DECODE_FN[q.dtype])(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tok.data_ptr(), block_tables.data_ptr(),
                  block_tables.shape[1], context_lens.data_ptr(), len(tok), Hq, Hkv, D, B, D ** -0.5, torch.get_num_threads())
     return out
 
-# %% ../nbs/02_paged_cache.ipynb #700c1c0d
+# %% ../nbs/02_paged_cache.ipynb #ab059af5
 class PagedKVCache(KVCache):
     "K/V of many sequences in one pool of fixed-size blocks, for all layers; attention reads through block tables."
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16, device=None, dtype=torch.float32,
@@ -419,12 +434,14 @@ class PagedKVCache(KVCache):
     def prepare(self, slot_mapping, block_tables, context_lens, query_lens):
         "Describe the next step: token slots, per-row block tables, context lengths after the step, query lengths."
         dev, B = self.k.device, self.block_size
-        self.slot_mapping = slot_mapping.to(dev, torch.long)
+        self.slot_mapping = slot_mapping.to(dev, torch.long).contiguous()
         self.block_tables, self.context_lens, self.query_lens = block_tables.to(dev, torch.long), context_lens.to(dev, torch.long), list(query_lens)
         ctx = context_lens.tolist()
         if len(ctx) != len(self.query_lens) or sum(self.query_lens) != len(slot_mapping):
             raise ValueError(f"step layout mismatch: {len(ctx)} context lengths, {len(self.query_lens)} rows, "
                              f"{sum(self.query_lens)} query tokens, {len(slot_mapping)} slots")
+        if len(slot_mapping) and not 0 <= int(self.slot_mapping.min()) <= int(self.slot_mapping.max()) < self.num_blocks * B:
+            raise ValueError(f"slots outside the pool (0..{self.num_blocks * B - 1})")
         if max(ctx, default=0) > self.block_tables.shape[1] * B:
             raise ValueError(f"a context of {max(ctx)} tokens does not fit block tables {self.block_tables.shape[1]} blocks wide")
         self.prefills, dec_tok, t = [], {}, 0
@@ -455,10 +472,19 @@ class PagedKVCache(KVCache):
             self._ws = torch.empty((2, n) + self.k.shape[2:], device=self.k.device, dtype=self.k.dtype)
         return self._ws[0, :n], self._ws[1, :n]
 
+    def _store(self, kp, vp, k, v):
+        "This step's K/V into their slots of one layer's pools."
+        if self.decode_impl == "kernel" and k.dtype == kp.dtype and k.shape == v.shape == (len(self.slot_mapping), *kp.shape[2:]) \
+                and k.is_contiguous() and v.is_contiguous():   # one C pass for both (slots were checked in `prepare`)
+            cpu_decode_kernel().store_kv(k.data_ptr(), v.data_ptr(), kp.data_ptr(), vp.data_ptr(), self.slot_mapping.data_ptr(),
+                                         len(k), k[0].numel() * k.element_size(), torch.get_num_threads())
+        else:
+            kp.view(-1, *kp.shape[2:]).index_copy_(0, self.slot_mapping, k.to(kp.dtype))
+            vp.view(-1, *vp.shape[2:]).index_copy_(0, self.slot_mapping, v.to(vp.dtype))
+
     def attend(self, layer, q, k, v):
         kp, vp = self.k[layer], self.v[layer]
-        kp.view(-1, *kp.shape[2:]).index_copy_(0, self.slot_mapping, k.to(kp.dtype))
-        vp.view(-1, *vp.shape[2:]).index_copy_(0, self.slot_mapping, v.to(vp.dtype))
+        self._store(kp, vp, k, v)
         if self.decode_impl == "reference":
             return paged_attention_ref(q, kp, vp, self.block_tables, self.context_lens, self.query_lens)
         q, out = q.contiguous(), torch.empty_like(q)

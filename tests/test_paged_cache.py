@@ -150,6 +150,9 @@ def test_prepare_rejects_bad_layouts():
         cache.prepare(torch.arange(3), torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3]), [2])
     with pytest.raises(ValueError, match="context of only"):
         cache.prepare(torch.arange(3), torch.zeros(1, 1, dtype=torch.int32), torch.tensor([2]), [3])
+    for slot in (16, -1):   # the C store writes wherever the slots say, so a slot outside the pool never reaches it
+        with pytest.raises(ValueError, match="slots outside the pool"):
+            cache.prepare(torch.tensor([slot]), torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1]), [1])
     with pytest.raises(ValueError, match="decode_impl"):
         PagedKVCache(cfg, 4, 4, decode_impl="magic")
 
