@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from mini_infer.cpu_kernels import cpu_kernels, pack_weight, linear_packed, PackedLinear, use_cpu_kernels
+from mini_infer.cpu_kernels import cpu_kernels, pack_weight, linear_packed, PackedLinear, KernelApplyRope, use_cpu_kernels
+from mini_infer.model import ApplyRope, RotaryEmbedding, ModelConfig
 from mini_infer.loader import load_safetensors
 from test_loader import tiny_hf, our_logits
 
@@ -17,7 +18,7 @@ def test_kernel_model_matches_transformers(tmp_path, arch, heads, kv, tied):
     model = load_safetensors(tmp_path, "cpu", torch.float32)
     plain = copy.deepcopy(model)
     n_linear = sum(type(m) is nn.Linear for m in model.modules())
-    assert use_cpu_kernels(model) == n_linear + 2 * model.config.num_hidden_layers + 1
+    assert use_cpu_kernels(model) == n_linear + 3 * model.config.num_hidden_layers + 1   # linears, 2 norms and RoPE a layer, final norm
     ids = torch.randint(0, 101, (23,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(): ref = hf(ids[None]).logits[0]
     ours = our_logits(model, ids)
@@ -53,3 +54,16 @@ def test_linear_packed_rejects_bad_input():
     with pytest.raises(ValueError): linear_packed(torch.randn(4, 32), Wp, 64 + nb)             # more outputs than panels
     with pytest.raises(ValueError): linear_packed(torch.randn(4, 32), Wp, 64, torch.zeros(3))  # bias not padded
     torch.testing.assert_close(linear_packed(torch.randn(0, 32), Wp, 64), torch.empty(0, 64))  # no rows: nothing to do
+
+
+@pytest.mark.parametrize("T,H,D", [(1, 9, 64), (37, 4, 16), (300, 2, 128)])
+def test_rope_kernel_matches_pytorch(T, H, D):
+    cfg = ModelConfig(vocab_size=10, hidden_size=H * D, intermediate_size=8, num_hidden_layers=1, num_attention_heads=H,
+                      num_key_value_heads=H, head_dim=D, max_position_embeddings=4096)
+    cos, sin = RotaryEmbedding(cfg)(torch.randint(0, 4096, (T,)))
+    x = torch.randn(T, H, D)
+    with torch.inference_mode(): got = KernelApplyRope()(x, cos, sin)
+    torch.testing.assert_close(got, ApplyRope()(x, cos, sin), rtol=1e-6, atol=1e-6)   # FMA rounding only
+    assert not torch.equal(got, x)
+    xb = x.bfloat16()   # other dtypes take PyTorch's path
+    assert torch.equal(KernelApplyRope()(xb, cos.bfloat16(), sin.bfloat16()), ApplyRope()(xb, cos.bfloat16(), sin.bfloat16()))
