@@ -11,14 +11,14 @@ __all__ = ['CPU_KERNELS_C', 'cpu_kernels', 'pack_weight', 'linear_packed', 'Pack
 # %% ../nbs/07_cpu_kernels.ipynb #7b46e021
 import ctypes, functools
 
-# %% ../nbs/07_cpu_kernels.ipynb #a1c351c8
+# %% ../nbs/07_cpu_kernels.ipynb #8bca0cca
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .model import RMSNorm, ApplyRope
-from .paged_cache import _load_library
+from .paged_cache import _load_library, _PTR, _SIZE
 
-# %% ../nbs/07_cpu_kernels.ipynb #60da956e
+# %% ../nbs/07_cpu_kernels.ipynb #24f69929
 CPU_KERNELS_C = r"""
 #include <stdint.h>
 #include <string.h>
@@ -113,14 +113,10 @@ void rope(const float *x, const float *cs, const float *sn, float *y, int64_t T,
 @functools.cache
 def cpu_kernels() -> ctypes.CDLL | None:
     "The compiled library (`linear_packed`, `rms_norm`, `rope`, `packed_block`), or None where it cannot be built; $MINI_INFER_NO_KERNELS=1 turns it off."
-    lib = _load_library(CPU_KERNELS_C, "cpu_kernels")
-    if lib is None: return None
-    P, I = ctypes.c_void_p, ctypes.c_int64
-    lib.packed_block.argtypes, lib.packed_block.restype = [], I
-    lib.linear_packed.argtypes, lib.linear_packed.restype = [P, P, P, P, I, I, I, ctypes.c_int], None
-    lib.rms_norm.argtypes, lib.rms_norm.restype = [P, P, P, I, I, ctypes.c_float, ctypes.c_int], None
-    lib.rope.argtypes, lib.rope.restype = [P, P, P, P, I, I, I, ctypes.c_int], None
-    return lib
+    return _load_library(CPU_KERNELS_C, "cpu_kernels", {"packed_block": ([], _SIZE),
+                                                         "linear_packed": ([_PTR] * 4 + [_SIZE] * 3 + [ctypes.c_int], None),
+                                                         "rms_norm": ([_PTR] * 3 + [_SIZE] * 2 + [ctypes.c_float, ctypes.c_int], None),
+                                                         "rope": ([_PTR] * 4 + [_SIZE] * 3 + [ctypes.c_int], None)})
 
 # %% ../nbs/07_cpu_kernels.ipynb #5af1152c
 def pack_weight(weight: torch.Tensor, block: int) -> torch.Tensor:

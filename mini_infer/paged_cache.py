@@ -237,7 +237,7 @@ def paged_decode_flash(q, k_pool, v_pool, blocks, mask, blocks_per_chunk: int = 
         m = m_new
     return (acc / l).reshape(R, -1, D).to(q.dtype)
 
-# %% ../nbs/02_paged_cache.ipynb #1371e25e
+# %% ../nbs/02_paged_cache.ipynb #ab7b6d8c
 PAGED_DECODE_C = r"""
 #include <math.h>
 #include <stdint.h>
@@ -373,26 +373,28 @@ def _compile(src: str, flags: list[str], name: str) -> Path:
             os.replace(c.with_suffix(".so"), lib)
     return lib
 
-def _load_library(src: str, name: str) -> ctypes.CDLL | None:
-    "Build (once) and load the C library `src`; None, with a warning, where it cannot be built, and None if $MINI_INFER_NO_KERNELS=1."
+def _load_library(src: str, name: str, signatures: dict) -> ctypes.CDLL | None:
+    """Build (once) and load the C library `src`, declaring its functions' types from `signatures`, {name: (argtypes,
+    restype)}; None, with a warning, where it cannot be built, and None if $MINI_INFER_NO_KERNELS=1."""
     if os.environ.get("MINI_INFER_NO_KERNELS"): return None
     base = ["-O3", "-march=native", "-shared", "-fPIC"]
     for flags in (base + ["-fopenmp"], base):   # without OpenMP (e.g. Apple clang) the kernels run on one thread
-        try: return ctypes.CDLL(str(_compile(src, flags, name)))
+        try: lib = ctypes.CDLL(str(_compile(src, flags, name))); break
         except (OSError, subprocess.SubprocessError) as e: err = e
-    warnings.warn(f"C kernels {name!r} unavailable, using PyTorch's path ({type(err).__name__}: {err})")
-    return None
+    else:
+        warnings.warn(f"C kernels {name!r} unavailable, using PyTorch's path ({type(err).__name__}: {err})")
+        return None
+    for fn, (argtypes, restype) in signatures.items(): getattr(lib, fn).argtypes, getattr(lib, fn).restype = argtypes, restype
+    return lib
+
+_PTR, _SIZE = ctypes.c_void_p, ctypes.c_int64   # C pointers and sizes, for the signatures here and in chapter 7
+_DECODE_ARGS = [_PTR] * 6 + [_SIZE, _PTR] + [_SIZE] * 5 + [ctypes.c_float, ctypes.c_int]
 
 @functools.cache
 def cpu_decode_kernel() -> ctypes.CDLL | None:
     "The compiled library (`paged_decode_f32`, `paged_decode_bf16`, `store_kv`), or None where it cannot be built; $MINI_INFER_NO_KERNELS=1 turns it off."
-    lib = _load_library(PAGED_DECODE_C, "paged_decode")
-    if lib is None: return None
-    P, I = ctypes.c_void_p, ctypes.c_int64
-    for fn in (lib.paged_decode_f32, lib.paged_decode_bf16):
-        fn.argtypes, fn.restype = [P, P, P, P, P, P, I, P, I, I, I, I, I, ctypes.c_float, ctypes.c_int], None
-    lib.store_kv.argtypes, lib.store_kv.restype = [P, P, P, P, P, I, I, ctypes.c_int], None
-    return lib
+    return _load_library(PAGED_DECODE_C, "paged_decode", {"paged_decode_f32": (_DECODE_ARGS, None), "paged_decode_bf16": (_DECODE_ARGS, None),
+                                                           "store_kv": ([_PTR] * 5 + [_SIZE, _SIZE, ctypes.c_int], None)})
 
 _DECODE_FN = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 
