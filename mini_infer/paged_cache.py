@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['GB', 'PAGED_DECODE_C', 'BlockAllocator', 'BlockTable', 'count_parameters', 'kv_bytes_per_token', 'MemoryPlan',
-           'plan_memory', 'info_table', 'gather_blocks', 'paged_attention_ref', 'paged_decode', 'paged_decode_flash',
-           'cpu_decode_kernel', 'paged_decode_kernel', 'PagedKVCache', 'step_inputs', 'generate_paged',
-           'kv_utilisation', 'simulate_churn']
+__all__ = ['GB', 'PAGED_DECODE_C', 'PAGED_PREFILL_C', 'BlockAllocator', 'BlockTable', 'count_parameters', 'kv_bytes_per_token',
+           'MemoryPlan', 'plan_memory', 'info_table', 'gather_blocks', 'paged_attention_ref', 'paged_decode',
+           'paged_decode_flash', 'cpu_attention_kernels', 'paged_decode_kernel', 'paged_prefill_kernel', 'PagedKVCache',
+           'step_inputs', 'generate_paged', 'kv_utilisation', 'simulate_churn']
 
 # %% ../nbs/02_paged_cache.ipynb #e9af6199
 import numpy as np
@@ -237,7 +237,7 @@ def paged_decode_flash(q, k_pool, v_pool, blocks, mask, blocks_per_chunk: int = 
         m = m_new
     return (acc / l).reshape(R, -1, D).to(q.dtype)
 
-# %% ../nbs/02_paged_cache.ipynb #ab7b6d8c
+# %% ../nbs/02_paged_cache.ipynb #ddfe8573
 PAGED_DECODE_C = r"""
 #include <math.h>
 #include <stdint.h>
@@ -359,6 +359,121 @@ void store_kv(const char *k, const char *v, char *k_pool, char *v_pool, const in
 }
 """
 
+# %% ../nbs/02_paged_cache.ipynb #884e2c52
+PAGED_PREFILL_C = r"""
+static inline vf vsel(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }   /* mask ? a : b, lane by lane */
+#ifdef __AVX512F__
+#define AR 12
+#else
+#define AR 6
+#endif
+/* y[R, 32] (+)= x[R, K] @ w[K, 32]: the register tile of chapter 7's matrix product, with x's element (r, k) at
+   x[r * rs + k * ks], so either operand of attention's two small products can be read in the layout it is in. */
+#define ATILE(R)                                                                                                    \
+static void atile##R(const float *x, int64_t rs, int64_t ks, int64_t K, const float *w, int64_t ldw, float *y, int64_t ldy, int add) { \
+    vf acc[R][2];                                                                                                   \
+    for (int r = 0; r < R; r++)                                                                                     \
+        if (add) { acc[r][0] = f32_vload(y + r * ldy); acc[r][1] = f32_vload(y + r * ldy + VL); }                    \
+        else acc[r][0] = acc[r][1] = (vf){0};                                                                       \
+    for (int64_t k = 0; k < K; k++) {                                                                               \
+        const vf w0 = f32_vload(w + k * ldw), w1 = f32_vload(w + k * ldw + VL);                                     \
+        for (int r = 0; r < R; r++) { const float s = x[r * rs + k * ks]; acc[r][0] += s * w0; acc[r][1] += s * w1; } \
+    }                                                                                                               \
+    for (int r = 0; r < R; r++) { memcpy(y + r * ldy, &acc[r][0], sizeof(vf)); memcpy(y + r * ldy + VL, &acc[r][1], sizeof(vf)); } \
+}
+ATILE(1) ATILE(2) ATILE(3) ATILE(4) ATILE(5) ATILE(6)
+#if AR > 6
+ATILE(7) ATILE(8) ATILE(9) ATILE(10) ATILE(11) ATILE(12)
+#endif
+typedef void (*atile_fn)(const float *, int64_t, int64_t, int64_t, const float *, int64_t, float *, int64_t, int);
+static const atile_fn atiles[] = {0, atile1, atile2, atile3, atile4, atile5, atile6,
+#if AR > 6
+                                  atile7, atile8, atile9, atile10, atile11, atile12,
+#endif
+};
+/* y[M, N] (+)= x[M, K] @ w[K, N], N a multiple of 32, in 32-column panels and balanced groups of at most AR rows. */
+static void amm(const float *x, int64_t rs, int64_t ks, int64_t M, int64_t K, const float *w, int64_t N, float *y, int add) {
+    const int64_t G = (M + AR - 1) / AR;
+    for (int64_t c = 0; c < N; c += 2 * VL)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t m0 = g * M / G, m1 = (g + 1) * M / G;
+            atiles[m1 - m0](x + m0 * rs, rs, ks, K, w + c, N, y + m0 * N + c, N, add);
+        }
+}
+
+#define QT 32                         /* query tokens per work item */
+#define KT 32                         /* keys per tile */
+/* Paged prefill attention. Sequence i, seqs[i] = (t0, n, ctx), has n query tokens q[t0...] (positions ctx - n ...) that
+   attend causally to the first ctx tokens of the sequence, read in place from the pool through its block table (this
+   step's K/V were stored first). Flash-style: a work item (sequence, KV head, QT query tokens) holds its NQ = QT x G queries transposed,
+   [D, NQ], and walks the keys KT at a time: scores^T [KT, NQ] = K Q^T, an online softmax down each column (one lane
+   per query, no horizontal sums), then out^T [D, NQ] += V^T P^T, both products on the tile above. */
+#define PAGED_PREFILL(NAME, T, LOAD, STORE)                                                                      \
+void NAME(const T *q, const T *k_pool, const T *v_pool, T *out, const int64_t *seqs,                             \
+          const int64_t *block_tables, int64_t bt_stride, int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t B,  \
+          float scale, int num_threads)                                                                          \
+{                                                                                                                \
+    const int64_t G = Hq / Hkv, kv_stride = Hkv * D, NQ = QT * G, NV = NQ / VL;                                  \
+    int64_t items = 0;                                                                                           \
+    for (int64_t i = 0; i < S; i++) items += (seqs[3 * i + 1] + QT - 1) / QT * Hkv;                              \
+    _Pragma("omp parallel num_threads(num_threads)")                                                             \
+    {                                                                                                            \
+        float *qt = malloc(sizeof(float) * (2 * D * NQ + KT * NQ + 2 * KT * D + 3 * NQ)), *ot = qt + D * NQ,      \
+              *st = ot + D * NQ, *kb = st + KT * NQ, *vb = kb + KT * D, *m = vb + KT * D, *l = m + NQ, *lim = l + NQ; \
+        _Pragma("omp for schedule(dynamic, 1)")                                                                  \
+        for (int64_t it = 0; it < items; it++) {                                                                 \
+            int64_t i = 0, rest = it;                       /* item -> (sequence i, KV head kh, tokens a..e-1) */ \
+            while (rest >= (seqs[3 * i + 1] + QT - 1) / QT * Hkv) rest -= (seqs[3 * i + 1] + QT - 1) / QT * Hkv, i++; \
+            const int64_t t0 = seqs[3 * i], n = seqs[3 * i + 1], first = seqs[3 * i + 2] - n;                      \
+            const int64_t kh = rest % Hkv, a = rest / Hkv * QT, e = a + QT < n ? a + QT : n, last = first + e - 1; \
+            const int64_t *bt = block_tables + i * bt_stride;                                                    \
+            for (int64_t c = 0; c < NQ; c++) {        /* column c: query token a + c / G, head kh * G + c % G */  \
+                const int64_t tq = a + c / G;                                                                    \
+                const T *src = q + ((t0 + (tq < e ? tq : e - 1)) * Hq + kh * G + c % G) * D;                  \
+                for (int64_t d = 0; d < D; d++) qt[d * NQ + c] = LOAD(src + d) * scale;                          \
+                m[c] = -INFINITY; l[c] = 0.f; lim[c] = (float)(first + tq);                                     \
+            }                                                                                                    \
+            memset(ot, 0, sizeof(float) * D * NQ);                                                               \
+            for (int64_t j0 = 0; j0 <= last; j0 += KT) {                                                         \
+                const int64_t kn = last + 1 - j0 < KT ? last + 1 - j0 : KT;                                      \
+                for (int64_t u = 0; u < kn; u++) {                                                               \
+                    const int64_t off = (bt[(j0 + u) / B] * B + (j0 + u) % B) * kv_stride + kh * D;              \
+                    for (int64_t d = 0; d < D; d++) { kb[u * D + d] = LOAD(k_pool + off + d); vb[u * D + d] = LOAD(v_pool + off + d); } \
+                }                                                                                                \
+                amm(kb, D, 1, kn, D, qt, NQ, st, 0);                   /* scores^T [kn, NQ] */                   \
+                const int diag = j0 + kn - 1 > first + a;              /* some key here comes after some query */ \
+                for (int64_t c = 0; c < NV; c++) {                     /* online softmax, 16 queries at a time */ \
+                    const vf lm = f32_vload(lim + c * VL), old = f32_vload(m + c * VL);                          \
+                    vf mx = old, sum = {0};                                                                      \
+                    for (int64_t u = 0; u < kn; u++) {                 /* keys after the query: -inf */          \
+                        vf s = f32_vload(st + u * NQ + c * VL);                                                  \
+                        if (diag) { s = vsel((vf){} + (float)(j0 + u) <= lm, s, (vf){} - INFINITY); memcpy(st + u * NQ + c * VL, &s, sizeof s); } \
+                        mx = vsel(s > mx, s, mx);                                                                \
+                    }                                                                                            \
+                    const vf alpha = vexp(old - mx);                                                             \
+                    for (int64_t u = 0; u < kn; u++) {                                                           \
+                        const vf p = vexp(f32_vload(st + u * NQ + c * VL) - mx); sum += p;                       \
+                        memcpy(st + u * NQ + c * VL, &p, sizeof p);                                              \
+                    }                                                                                            \
+                    const vf nl = f32_vload(l + c * VL) * alpha + sum;                                           \
+                    memcpy(m + c * VL, &mx, sizeof mx); memcpy(l + c * VL, &nl, sizeof nl);                      \
+                    for (int64_t d = 0; d < D; d++) { vf o = f32_vload(ot + d * NQ + c * VL) * alpha; memcpy(ot + d * NQ + c * VL, &o, sizeof o); } \
+                }                                                                                                \
+                amm(vb, 1, D, D, kn, st, NQ, ot, 1);                   /* out^T [D, NQ] += V^T P^T */           \
+            }                                                                                                    \
+            for (int64_t c = 0; c < (e - a) * G; c++) {                                                          \
+                T *dst = out + ((t0 + a + c / G) * Hq + kh * G + c % G) * D;                                  \
+                for (int64_t d = 0; d < D; d++) STORE(dst + d, ot[d * NQ + c] / l[c]);                           \
+            }                                                                                                    \
+        }                                                                                                        \
+        free(qt);                                                                                                \
+    }                                                                                                            \
+}
+PAGED_PREFILL(paged_prefill_f32, float, f32_load, f32_store)
+PAGED_PREFILL(paged_prefill_bf16, uint16_t, bf16_load, bf16_store)
+"""
+
+# %% ../nbs/02_paged_cache.ipynb #cf21748d
 def _compile(src: str, flags: list[str], name: str) -> Path:
     "Compile `src` into a shared library `name-<hash>.so` in the cache folder (once: it is keyed by a hash of source and flags)."
     out_dir = cache_root() / "kernels"
@@ -389,43 +504,65 @@ def _load_library(src: str, name: str, signatures: dict) -> ctypes.CDLL | None:
 
 _PTR, _SIZE = ctypes.c_void_p, ctypes.c_int64   # C pointers and sizes, for the signatures here and in chapter 7
 _DECODE_ARGS = [_PTR] * 6 + [_SIZE, _PTR] + [_SIZE] * 5 + [ctypes.c_float, ctypes.c_int]
+_PREFILL_ARGS = [_PTR] * 6 + [_SIZE] * 6 + [ctypes.c_float, ctypes.c_int]
 
 @functools.cache
-def cpu_decode_kernel() -> ctypes.CDLL | None:
-    "The compiled library (`paged_decode_f32`, `paged_decode_bf16`, `store_kv`), or None where it cannot be built; $MINI_INFER_NO_KERNELS=1 turns it off."
-    return _load_library(PAGED_DECODE_C, "paged_decode", {"paged_decode_f32": (_DECODE_ARGS, None), "paged_decode_bf16": (_DECODE_ARGS, None),
-                                                           "store_kv": ([_PTR] * 5 + [_SIZE, _SIZE, ctypes.c_int], None)})
+def cpu_attention_kernels() -> ctypes.CDLL | None:
+    "The compiled library (`paged_decode_*`, `paged_prefill_*`, `store_kv`), or None where it cannot be built; $MINI_INFER_NO_KERNELS=1 turns it off."
+    return _load_library(PAGED_DECODE_C + PAGED_PREFILL_C, "paged_attention",
+                         {"paged_decode_f32": (_DECODE_ARGS, None), "paged_decode_bf16": (_DECODE_ARGS, None),
+                          "paged_prefill_f32": (_PREFILL_ARGS, None), "paged_prefill_bf16": (_PREFILL_ARGS, None),
+                          "store_kv": ([_PTR] * 5 + [_SIZE, _SIZE, ctypes.c_int], None)})
 
-_DECODE_FN = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+_KERNEL_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+def _attention_library(q, k_pool, v_pool, out, indices, name):
+    "The library, after checking what its C reads: contiguous CPU tensors, one float type for q/pools/out, int64 indices."
+    lib = cpu_attention_kernels()
+    if lib is None: raise RuntimeError("the paged-attention kernels are not available on this machine")
+    ts = [q, k_pool, v_pool, out, *indices]
+    if not all(t.is_contiguous() and t.device.type == "cpu" for t in ts) or q.dtype not in _KERNEL_SUFFIX \
+            or any(t.dtype != q.dtype for t in ts[1:4]) or any(t.dtype != torch.int64 for t in indices) \
+            or q.shape != out.shape or k_pool.shape != v_pool.shape or q.shape[2] != k_pool.shape[3] or q.shape[1] % k_pool.shape[2]:
+        raise ValueError(f"{name} needs contiguous CPU tensors: q, pools and out all float32 or all bfloat16, int64 indices")
+    return getattr(lib, f"{name}_{_KERNEL_SUFFIX[q.dtype]}")
 
 def paged_decode_kernel(q, k_pool, v_pool, out, tok, block_tables, context_lens):
     """Decode attention for the rows whose query token is `q[tok[r]]` ([T, Hq, D], CPU, float32 or bfloat16), written to
     `out[tok[r]]`; `block_tables` [R, width] and `context_lens` [R] (int64) describe each row's context in the pool."""
-    lib = cpu_decode_kernel()
-    if lib is None: raise RuntimeError("the paged-attention kernel is not available on this machine")
-    ts = [q, k_pool, v_pool, out, tok, block_tables, context_lens]
-    if not all(t.is_contiguous() and t.device.type == "cpu" for t in ts) or q.dtype not in _DECODE_FN \
-            or any(t.dtype != q.dtype for t in ts[1:4]) or any(t.dtype != torch.int64 for t in ts[4:]):
-        raise ValueError("paged_decode_kernel needs contiguous CPU tensors: q, pools and out all float32 or all bfloat16, int64 indices")
+    fn = _attention_library(q, k_pool, v_pool, out, [tok, block_tables, context_lens], "paged_decode")
     (T, Hq, D), (_, B, Hkv, _) = q.shape, k_pool.shape
-    getattr(lib, _DECODE_FN[q.dtype])(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tok.data_ptr(), block_tables.data_ptr(),
-                 block_tables.shape[1], context_lens.data_ptr(), len(tok), Hq, Hkv, D, B, D ** -0.5, torch.get_num_threads())
+    fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tok.data_ptr(), block_tables.data_ptr(),
+       block_tables.shape[1], context_lens.data_ptr(), len(tok), Hq, Hkv, D, B, D ** -0.5, torch.get_num_threads())
     return out
 
-# %% ../nbs/02_paged_cache.ipynb #ab059af5
+def paged_prefill_kernel(q, k_pool, v_pool, out, seqs, block_tables):
+    """Causal attention for prompt chunks: `seqs[i] = (t0, n, ctx)` says that `q[t0:t0+n]` ([T, Hq, D]) are the last n
+    of the first ctx tokens of a sequence whose K/V (these included) are in the pool through `block_tables[i]`."""
+    fn = _attention_library(q, k_pool, v_pool, out, [seqs, block_tables], "paged_prefill")
+    (T, Hq, D), (_, B, Hkv, _) = q.shape, k_pool.shape
+    rows = seqs.tolist()
+    if seqs.dim() != 2 or len(rows) != len(block_tables) or not all(
+            len(r) == 3 and r[0] >= 0 and 1 <= r[1] <= r[2] <= block_tables.shape[1] * B and r[0] + r[1] <= T for r in rows):
+        raise ValueError("paged_prefill_kernel: each row of seqs must be (t0, n, ctx) with 1 <= n <= ctx, within q and the block table")
+    fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), seqs.data_ptr(), block_tables.data_ptr(),
+       block_tables.shape[1], len(seqs), Hq, Hkv, D, B, D ** -0.5, torch.get_num_threads())
+    return out
+
+# %% ../nbs/02_paged_cache.ipynb #352d169f
 class PagedKVCache(KVCache):
     "K/V of many sequences in one pool of fixed-size blocks, for all layers; attention reads through block tables."
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16, device=None, dtype=torch.float32,
-                 decode_impl: str = "auto", decode_group: int = 32):
-        if decode_impl not in ("auto", "kernel", "gather", "flash", "reference"): raise ValueError(f"unknown decode_impl {decode_impl!r}")
+                 attn_impl: str = "auto", decode_group: int = 32):
+        if attn_impl not in ("auto", "kernel", "gather", "flash", "reference"): raise ValueError(f"unknown attn_impl {attn_impl!r}")
         shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        kernel_ok = self.k.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_decode_kernel() is not None
-        if decode_impl == "kernel" and not kernel_ok:
-            raise ValueError("decode_impl='kernel' needs a float32 or bfloat16 pool on a CPU that can build the kernel")
-        if decode_impl == "auto": decode_impl = "kernel" if kernel_ok else "gather"
-        self.num_blocks, self.block_size, self.decode_impl, self.decode_group = num_blocks, block_size, decode_impl, decode_group
+        kernel_ok = self.k.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_attention_kernels() is not None
+        if attn_impl == "kernel" and not kernel_ok:
+            raise ValueError("attn_impl='kernel' needs a float32 or bfloat16 pool on a CPU that can build the kernel")
+        if attn_impl == "auto": attn_impl = "kernel" if kernel_ok else "gather"
+        self.num_blocks, self.block_size, self.attn_impl, self.decode_group = num_blocks, block_size, attn_impl, decode_group
         self._ws = None   # workspace for gathered decode K/V, reused across layers and steps
 
     @classmethod
@@ -453,9 +590,12 @@ class PagedKVCache(KVCache):
             elif n > 1: self.prefills.append((t, t + n, self.block_tables[i, :-(-c // B)], c - n, c))
             t += n
         self.decode_groups = []
-        if self.decode_impl == "kernel":   # one call for all decode rows, each reading exactly its own context
-            if dec_tok and not 0 <= int(self.block_tables.min()) <= int(self.block_tables.max()) < self.num_blocks:
+        if self.attn_impl == "kernel":   # one call for all decode rows, each reading exactly its own context, and one for all prompt chunks
+            if len(ctx) and not 0 <= int(self.block_tables.min()) <= int(self.block_tables.max()) < self.num_blocks:
                 raise ValueError(f"block tables name blocks outside the pool (0..{self.num_blocks - 1})")
+            pre = [i for i, n in enumerate(self.query_lens) if n > 1]
+            self.prefill_seqs = torch.tensor([(s, e - s, c) for s, e, _, _, c in self.prefills], dtype=torch.long).view(-1, 3)
+            self.prefill_tables = self.block_tables[torch.tensor(pre, dtype=torch.long, device=dev)]
             rows = torch.tensor(list(dec_tok), device=dev)
             self.decode_groups = [(torch.tensor(list(dec_tok.values()), device=dev), self.block_tables[rows], self.context_lens[rows])] if dec_tok else []
             return self
@@ -476,9 +616,9 @@ class PagedKVCache(KVCache):
 
     def _store(self, kp, vp, k, v):
         "This step's K/V into their slots of one layer's pools."
-        if self.decode_impl == "kernel" and k.dtype == kp.dtype and k.shape == v.shape == (len(self.slot_mapping), *kp.shape[2:]) \
+        if self.attn_impl == "kernel" and k.dtype == kp.dtype and k.shape == v.shape == (len(self.slot_mapping), *kp.shape[2:]) \
                 and k.is_contiguous() and v.is_contiguous():   # one C pass for both (slots were checked in `prepare`)
-            cpu_decode_kernel().store_kv(k.data_ptr(), v.data_ptr(), kp.data_ptr(), vp.data_ptr(), self.slot_mapping.data_ptr(),
+            cpu_attention_kernels().store_kv(k.data_ptr(), v.data_ptr(), kp.data_ptr(), vp.data_ptr(), self.slot_mapping.data_ptr(),
                                          len(k), k[0].numel() * k.element_size(), torch.get_num_threads())
         else:
             kp.view(-1, *kp.shape[2:]).index_copy_(0, self.slot_mapping, k.to(kp.dtype))
@@ -487,15 +627,18 @@ class PagedKVCache(KVCache):
     def attend(self, layer, q, k, v):
         kp, vp = self.k[layer], self.v[layer]
         self._store(kp, vp, k, v)
-        if self.decode_impl == "reference":
+        if self.attn_impl == "reference":
             return paged_attention_ref(q, kp, vp, self.block_tables, self.context_lens, self.query_lens)
         q, out = q.contiguous(), torch.empty_like(q)
-        for s, e, blocks, q_start, c in self.prefills:   # a chunk that starts the sequence needs nothing from the pool
-            kc, vc = (k[s:e].to(kp.dtype), v[s:e].to(vp.dtype)) if q_start == 0 else (gather_blocks(kp, blocks, c), gather_blocks(vp, blocks, c))
-            out[s:e] = causal_attention(q[s:e], kc, vc, q_start)
+        if self.attn_impl == "kernel":   # all prompt chunks in one call, reading the pool in place
+            if self.prefills: paged_prefill_kernel(q, kp, vp, out, self.prefill_seqs, self.prefill_tables)
+        else:
+            for s, e, blocks, q_start, c in self.prefills:   # a chunk that starts the sequence needs nothing from the pool
+                kc, vc = (k[s:e].to(kp.dtype), v[s:e].to(vp.dtype)) if q_start == 0 else (gather_blocks(kp, blocks, c), gather_blocks(vp, blocks, c))
+                out[s:e] = causal_attention(q[s:e], kc, vc, q_start)
         for tok, blocks, lens_or_mask in self.decode_groups:
-            if self.decode_impl == "kernel": paged_decode_kernel(q, kp, vp, out, tok, blocks, lens_or_mask)
-            elif self.decode_impl == "flash": out[tok] = paged_decode_flash(q[tok], kp, vp, blocks, lens_or_mask)
+            if self.attn_impl == "kernel": paged_decode_kernel(q, kp, vp, out, tok, blocks, lens_or_mask)
+            elif self.attn_impl == "flash": out[tok] = paged_decode_flash(q[tok], kp, vp, blocks, lens_or_mask)
             else: out[tok] = paged_decode(q[tok], kp, vp, blocks, lens_or_mask, *self._workspace(blocks.numel()))
         return out
 

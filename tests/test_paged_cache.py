@@ -10,10 +10,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from mini_infer.model import CausalLM, ContiguousKVCache, ModelConfig, causal_attention
 from mini_infer.paged_cache import (BlockAllocator, BlockTable, PagedKVCache, generate_paged, paged_attention_ref,
                                     paged_decode, paged_decode_flash, plan_memory, step_inputs, count_parameters,
-                                    kv_bytes_per_token, info_table, cpu_decode_kernel, paged_decode_kernel)
+                                    kv_bytes_per_token, info_table, cpu_attention_kernels, paged_decode_kernel,
+                                    paged_prefill_kernel)
 
 # the C kernel where this machine can build it (CI can: it has gcc); the PyTorch paths everywhere
-IMPLS = ["reference", "gather", "flash"] + (["kernel"] if cpu_decode_kernel() else [])
+IMPLS = ["reference", "gather", "flash"] + (["kernel"] if cpu_attention_kernels() else [])
 
 
 def attn_cfg(n_q=9, n_kv=3, d=64, layers=2):
@@ -63,7 +64,7 @@ def expected(layer, q, full, qlens):
 @pytest.mark.parametrize("seed,block_size,heads", [(0, 16, (9, 3)), (1, 4, (4, 1)), (2, 1, (6, 6)), (3, 7, (8, 2)), (4, 16, (2, 2))])
 def test_paged_attention_matches_contiguous(impl, seed, block_size, heads):
     cfg = attn_cfg(*heads, d=32)
-    cache, q, k, v, full, qlens = random_step(cfg, 11, block_size, (1, 70), 0.3, seed, decode_impl=impl, decode_group=4)
+    cache, q, k, v, full, qlens = random_step(cfg, 11, block_size, (1, 70), 0.3, seed, attn_impl=impl, decode_group=4)
     assert any(n > 1 for n in qlens) and any(n == 1 for n in qlens)
     for layer in range(cfg.num_hidden_layers):
         got = cache.attend(layer, q[layer], k[layer], v[layer])
@@ -74,7 +75,7 @@ def test_paged_attention_matches_contiguous(impl, seed, block_size, heads):
 def test_all_prefill_and_all_decode_steps(impl):
     cfg = attn_cfg(4, 2, 16, layers=1)
     for frac in (0.0, 1.0):
-        cache, q, k, v, full, qlens = random_step(cfg, 6, 8, (1, 40), frac, 7, decode_impl=impl)
+        cache, q, k, v, full, qlens = random_step(cfg, 6, 8, (1, 40), frac, 7, attn_impl=impl)
         torch.testing.assert_close(cache.attend(0, q[0], k[0], v[0]), expected(0, q[0], full, qlens), atol=1e-5, rtol=1e-5)
 
 
@@ -92,7 +93,7 @@ def test_fast_decode_paths_equal_reference(seed):
     torch.testing.assert_close(paged_decode(q[0], kp, vp, blocks, mask), ref, atol=1e-5, rtol=1e-5)
     for chunk in (1, 3, 64):
         torch.testing.assert_close(paged_decode_flash(q[0], kp, vp, blocks, mask, chunk), ref, atol=1e-5, rtol=1e-5)
-    if cpu_decode_kernel():   # rows in a shuffled order, reading tables wider than they need
+    if cpu_attention_kernels():   # rows in a shuffled order, reading tables wider than they need
         perm = torch.randperm(24, generator=torch.Generator().manual_seed(seed))
         out = torch.full_like(q[0], float("nan"))
         paged_decode_kernel(q[0], kp, vp, out, perm, cache.block_tables[perm].contiguous(), cache.context_lens[perm].contiguous())
@@ -102,12 +103,12 @@ def test_fast_decode_paths_equal_reference(seed):
 def test_kernel_default_and_rejections():
     cfg = attn_cfg(4, 2, 16, layers=1)
     cache = PagedKVCache(cfg, 4, 4)
-    assert cache.decode_impl == ("kernel" if cpu_decode_kernel() else "gather")
-    assert PagedKVCache(cfg, 4, 4, dtype=torch.float16).decode_impl == "gather"   # the kernel is float32 and bfloat16 only
-    if not cpu_decode_kernel(): pytest.skip("no C compiler here")
-    assert PagedKVCache(cfg, 4, 4, dtype=torch.bfloat16).decode_impl == "kernel"
+    assert cache.attn_impl == ("kernel" if cpu_attention_kernels() else "gather")
+    assert PagedKVCache(cfg, 4, 4, dtype=torch.float16).attn_impl == "gather"   # the kernel is float32 and bfloat16 only
+    if not cpu_attention_kernels(): pytest.skip("no C compiler here")
+    assert PagedKVCache(cfg, 4, 4, dtype=torch.bfloat16).attn_impl == "kernel"
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        PagedKVCache(cfg, 4, 4, dtype=torch.float16, decode_impl="kernel")
+        PagedKVCache(cfg, 4, 4, dtype=torch.float16, attn_impl="kernel")
     with pytest.raises(ValueError, match="outside the pool"):   # a bad table must not reach the kernel's raw reads
         cache.prepare(torch.tensor([0]), torch.tensor([[7]]), torch.tensor([1]), [1])
     with pytest.raises(ValueError, match="does not fit"):
@@ -120,12 +121,53 @@ def test_kernel_default_and_rejections():
 
 
 @pytest.mark.skipif("kernel" not in IMPLS, reason="no C compiler here")
+@pytest.mark.parametrize("heads,d,block_size", [((9, 3), 64, 16), ((14, 2), 64, 16), ((4, 4), 128, 5), ((6, 2), 80, 16), ((3, 1), 24, 1)])
+def test_prefill_kernel_long_prompts(heads, d, block_size):
+    "Prompt chunks longer than the kernel's 32-token tiles, some continuing earlier context, GQA groups of 1 to 7, head sizes that are not multiples of 16."
+    cfg = attn_cfg(*heads, d=d, layers=1)
+    cache, q, k, v, full, qlens = random_step(cfg, 5, block_size, (40, 300), 1.0, 11, attn_impl="kernel")
+    assert max(qlens) > 64 and any(n < kk.shape[1] for (kk, _), n in zip(full, qlens))
+    torch.testing.assert_close(cache.attend(0, q[0], k[0], v[0]), expected(0, q[0], full, qlens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif("kernel" not in IMPLS, reason="no C compiler here")
+def test_prefill_kernel_result_does_not_depend_on_chunking():
+    "A token's attention is the same bits whether its prompt runs in one chunk or in several, and whatever else shares the call."
+    g = torch.Generator().manual_seed(0)
+    B, n, (Hq, Hkv, D) = 16, 150, (9, 3, 64)
+    kp, vp = torch.randn(20, B, Hkv, D, generator=g), torch.randn(20, B, Hkv, D, generator=g)
+    q = torch.randn(n, Hq, D, generator=g)
+    table = torch.randperm(20, generator=g)[:-(-n // B)][None]
+    def run(chunks):
+        out, t = torch.empty_like(q), 0
+        for c in chunks:
+            paged_prefill_kernel(q, kp, vp, out, torch.tensor([[t, c, t + c]]), table); t += c
+        return out
+    whole = run([n])
+    for chunks in ([40, 70, 40], [2, 33, 115], [31] * 4 + [26]):
+        assert torch.equal(run(chunks), whole)
+    both = torch.empty_like(q)   # two chunks in one call: the same again
+    paged_prefill_kernel(q, kp, vp, both, torch.tensor([[0, 70, 70], [70, 80, 150]]), table.expand(2, -1).contiguous())
+    assert torch.equal(both, whole)
+
+
+@pytest.mark.skipif("kernel" not in IMPLS, reason="no C compiler here")
+def test_prefill_kernel_rejects_bad_rows():
+    q, pool, table = torch.zeros(10, 4, 16), torch.zeros(4, 4, 2, 16), torch.zeros(1, 4, dtype=torch.long)
+    for bad in ([0, 11, 11], [0, 0, 5], [0, 5, 3], [0, 5, 17], [-1, 5, 5], [6, 5, 5]):   # past q, empty, n > ctx, past the table, t0 < 0, t0 + n > T
+        with pytest.raises(ValueError, match="seqs"):
+            paged_prefill_kernel(q, pool, pool.clone(), q.clone(), torch.tensor([bad]), table)
+    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+        paged_prefill_kernel(q, pool, pool.clone(), q.clone(), torch.tensor([[0, 5, 5]], dtype=torch.int32), table)
+
+
+@pytest.mark.skipif("kernel" not in IMPLS, reason="no C compiler here")
 @pytest.mark.parametrize("seed", range(3))
 def test_bfloat16_kernel_equals_float32_attention_of_the_same_numbers(seed):
     "A bfloat16 pool: the kernel reads 16-bit K/V and computes in float32, so it matches float32 attention over the same (rounded) values to bfloat16 output precision."
     cfg = attn_cfg(9, 3, 64, layers=1)
     cache, q, k, v, full, qlens = random_step(cfg, 24, 16, (1, 300), 0.0, seed, dtype=torch.bfloat16)
-    assert cache.decode_impl == "kernel"
+    assert cache.attn_impl == "kernel"
     got = cache.attend(0, q[0].bfloat16(), k[0].bfloat16(), v[0].bfloat16())
     assert got.dtype == torch.bfloat16
     round16 = lambda t: t.bfloat16().float()
@@ -135,9 +177,19 @@ def test_bfloat16_kernel_equals_float32_attention_of_the_same_numbers(seed):
     assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max()
 
 
+@pytest.mark.skipif("kernel" not in IMPLS, reason="no C compiler here")
+def test_bfloat16_prefill_kernel_equals_float32_attention_of_the_same_numbers():
+    cfg = attn_cfg(9, 3, 64, layers=1)
+    cache, q, k, v, full, qlens = random_step(cfg, 4, 16, (40, 200), 1.0, 5, dtype=torch.bfloat16)
+    got = cache.attend(0, q[0].bfloat16(), k[0].bfloat16(), v[0].bfloat16())
+    round16 = lambda t: t.bfloat16().float()
+    want = expected(0, round16(q[0]), [(round16(kk), round16(vv)) for kk, vv in full], qlens)
+    assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max()
+
+
 def test_prepare_groups_decode_rows_by_length():
     cfg = attn_cfg(4, 2, 16, layers=1)
-    cache, *_ = random_step(cfg, 20, 4, (1, 100), 0.0, 3, decode_impl="gather", decode_group=8)
+    cache, *_ = random_step(cfg, 20, 4, (1, 100), 0.0, 3, attn_impl="gather", decode_group=8)
     assert [len(tok) for tok, _, _ in cache.decode_groups] == [8, 8, 4]
     widths = [blocks.shape[1] for _, blocks, _ in cache.decode_groups]
     assert widths == sorted(widths) and widths[-1] == -(-int(cache.context_lens.max()) // 4)
@@ -153,8 +205,8 @@ def test_prepare_rejects_bad_layouts():
     for slot in (16, -1):   # the C store writes wherever the slots say, so a slot outside the pool never reaches it
         with pytest.raises(ValueError, match="slots outside the pool"):
             cache.prepare(torch.tensor([slot]), torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1]), [1])
-    with pytest.raises(ValueError, match="decode_impl"):
-        PagedKVCache(cfg, 4, 4, decode_impl="magic")
+    with pytest.raises(ValueError, match="attn_impl"):
+        PagedKVCache(cfg, 4, 4, attn_impl="magic")
 
 
 # ---------------------------------------------------------------- generation through the paged cache
@@ -182,7 +234,7 @@ def test_generate_paged_equals_contiguous(arch, heads, block_size, chunk, impl):
         for p in model.parameters(): p.mul_(4)
     prompts = [torch.randint(0, 301, (n,)).tolist() for n in (1, 9, 23, 40, 4)]
     n_blocks = sum(-(-(len(p) + 16) // block_size) for p in prompts)
-    cache = PagedKVCache(cfg, n_blocks, block_size, decode_impl=impl, decode_group=2)
+    cache = PagedKVCache(cfg, n_blocks, block_size, attn_impl=impl, decode_group=2)
     got = generate_paged(model, prompts, 16, block_size, chunk_size=chunk, cache=cache)
     assert got == [generate_contiguous(model, p, 16) for p in prompts]
 
