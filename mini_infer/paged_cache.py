@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['GB', 'PAGED_DECODE_C', 'PAGED_PREFILL_C', 'BlockAllocator', 'BlockTable', 'count_parameters', 'kv_bytes_per_token',
-           'MemoryPlan', 'plan_memory', 'info_table', 'gather_blocks', 'paged_attention_ref', 'paged_decode',
-           'paged_decode_flash', 'cpu_attention_kernels', 'paged_decode_kernel', 'paged_prefill_kernel', 'PagedKVCache',
-           'step_inputs', 'generate_paged', 'kv_utilisation', 'simulate_churn']
+__all__ = ['GB', 'VEXP_C', 'PAGED_DECODE_C', 'PAGED_PREFILL_C', 'BlockAllocator', 'BlockTable', 'count_parameters',
+           'kv_bytes_per_token', 'MemoryPlan', 'plan_memory', 'info_table', 'gather_blocks', 'paged_attention_ref',
+           'paged_decode', 'paged_decode_flash', 'cpu_attention_kernels', 'paged_decode_kernel', 'paged_prefill_kernel',
+           'PagedKVCache', 'step_inputs', 'generate_paged', 'kv_utilisation', 'simulate_churn']
 
 # %% ../nbs/02_paged_cache.ipynb #e9af6199
 import numpy as np
@@ -237,7 +237,28 @@ def paged_decode_flash(q, k_pool, v_pool, blocks, mask, blocks_per_chunk: int = 
         m = m_new
     return (acc / l).reshape(R, -1, D).to(q.dtype)
 
-# %% ../nbs/02_paged_cache.ipynb #ddfe8573
+# %% ../nbs/02_paged_cache.ipynb #f4621adf
+VEXP_C = r"""
+/* e^x lane by lane, for a float vector type vf and an int32 one vi of as many lanes (Cephes' expf: 2^n times a degree-6
+   polynomial on [-ln2/2, ln2/2]; ~1 ulp). Below -87, 0; above 88.37, e^88.37 (~2.6e38). Chapter 7's kernels use it too. */
+static inline vf vexp(vf x) {
+    const vi over = x > 88.3762626647949f;
+    x = (vf)(((vi)x & ~over) | ((vi)((vf){} + 88.3762626647949f) & over));
+    const vi under = x < -87.f;
+    const vf fx = x * 1.44269504088896341f + 0.5f;
+    vf n = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
+    n -= (vf)((vi)((vf){} + 1.f) & (n > fx));        /* truncation toward zero -> floor */
+    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf p = (vf){} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f; p = p * r + 8.3334519073e-3f; p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f; p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const vf scale = (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+    return (vf)((vi)(p * scale) & ~under);
+}
+"""
+
+# %% ../nbs/02_paged_cache.ipynb #fdab4049
 PAGED_DECODE_C = r"""
 #include <math.h>
 #include <stdint.h>
@@ -273,20 +294,7 @@ static inline float hsum(vf v) {                    /* a tree of 4 vector adds, 
     v += SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
     return v[0];
 }
-/* e^x for x <= 0 (Cephes' expf: 2^n times a degree-6 polynomial on [-ln2/2, ln2/2]; ~1 ulp). Below -87, 0. */
-static inline vf vexp(vf x) {
-    const vi under = x < -87.f;
-    const vf fx = x * 1.44269504088896341f + 0.5f;
-    vf n = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
-    n -= (vf)((vi)((vf){} + 1.f) & (n > fx));        /* truncation toward zero -> floor */
-    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf p = (vf){} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f; p = p * r + 8.3334519073e-3f; p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f; p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const vf scale = (vf)((__builtin_convertvector(n, vi) + 127) << 23);
-    return (vf)((vi)(p * scale) & ~under);
-}
+""" + VEXP_C + r"""
 /* A sequence's blocks lie anywhere in the pool, so the hardware prefetcher cannot guess the next one: while reading a
    token, ask for the same token of the next block. (17% faster on a 64-row step, same results.) */
 static inline void prefetch(const void *p, int64_t bytes) { for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 3); }

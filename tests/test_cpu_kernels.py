@@ -18,7 +18,7 @@ def test_kernel_model_matches_transformers(tmp_path, arch, heads, kv, tied):
     model = load_safetensors(tmp_path, "cpu", torch.float32)
     plain = copy.deepcopy(model)
     n_linear = sum(type(m) is nn.Linear for m in model.modules())
-    assert use_cpu_kernels(model) == n_linear + 3 * model.config.num_hidden_layers + 1   # linears, 2 norms and RoPE a layer, final norm
+    assert use_cpu_kernels(model) == n_linear + 4 * model.config.num_hidden_layers + 1   # linears; 2 norms, RoPE and the MLP a layer; final norm
     ids = torch.randint(0, 101, (23,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(): ref = hf(ids[None]).logits[0]
     ours = our_logits(model, ids)
