@@ -11,7 +11,7 @@ from mini_infer.model import CausalLM, ContiguousKVCache, ModelConfig, causal_at
 from mini_infer.paged_cache import (BlockAllocator, BlockTable, PagedKVCache, generate_paged, paged_attention_ref,
                                     paged_decode, paged_decode_flash, plan_memory, step_inputs, count_parameters,
                                     kv_bytes_per_token, info_table, cpu_attention_kernels, paged_decode_kernel,
-                                    paged_prefill_kernel)
+                                    paged_prefill_kernel, pool_zeros)
 
 # the C kernel where this machine can build it (CI can: it has gcc); the PyTorch paths everywhere
 IMPLS = ["reference", "gather", "flash"] + (["kernel"] if cpu_attention_kernels() else [])
@@ -389,3 +389,16 @@ def test_memory_plan_numbers_and_check():
     assert "tiny" in info and "torch" in info and "KV pool" in info
     cache = PagedKVCache.from_plan(model.config, plan_memory(model.config, "cpu", kv_cache_memory_gb=0.001))
     assert cache.k.shape[1] == cache.num_blocks > 0
+
+
+def test_pool_zeros():
+    "The pool's memory: zeros of the asked shape and dtype, 2 MB aligned where huge pages can be asked for, alive as long as the tensor."
+    import gc, mmap
+    for dtype in (torch.float32, torch.bfloat16):
+        t = pool_zeros((2, 300, 16, 3, 64), dtype)
+        gc.collect()
+        assert t.shape == (2, 300, 16, 3, 64) and t.dtype == dtype and t.is_contiguous() and not t.any()
+        if hasattr(mmap, "MADV_HUGEPAGE"): assert t.data_ptr() % (2 << 20) == 0
+        t[1, -1] = 1
+        assert t.sum() == 16 * 3 * 64
+    if hasattr(mmap, "MADV_HUGEPAGE"): assert PagedKVCache(attn_cfg(), 10, 4).k.data_ptr() % (2 << 20) == 0   # the cache uses it
