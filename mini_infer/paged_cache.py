@@ -557,7 +557,7 @@ def paged_prefill_kernel(q, k_pool, v_pool, out, seqs, block_tables):
        block_tables.shape[1], len(seqs), Hq, Hkv, D, B, D ** -0.5, torch.get_num_threads())
     return out
 
-# %% ../nbs/02_paged_cache.ipynb #c3143be6
+# %% ../nbs/02_paged_cache.ipynb #34696177
 _HUGE_PAGE = 2 << 20
 
 def pool_zeros(shape, dtype, device=None) -> torch.Tensor:
@@ -565,11 +565,12 @@ def pool_zeros(shape, dtype, device=None) -> torch.Tensor:
     reads blocks scattered over the whole pool, and with 4 KB pages nearly every block also misses the address cache."""
     if torch.device(device or "cpu").type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE"): return torch.zeros(shape, dtype=dtype, device=device)
     n = math.prod(shape) * dtype.itemsize
-    m = mmap.mmap(-1, n + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # fresh anonymous memory reads as zeros
+    m = mmap.mmap(-1, n + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     m.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(m, dtype=torch.uint8)   # the tensor keeps the mapping alive
     start = -raw.data_ptr() % _HUGE_PAGE
-    return raw[start:start + n].view(dtype).view(shape)
+    # write every page now: left to fault in one by one during steps, they stalled the K/V writes by 7-11 ms a step
+    return raw[start:start + n].view(dtype).view(shape).zero_()
 
 # %% ../nbs/02_paged_cache.ipynb #3abf02c3
 class PagedKVCache(KVCache):
