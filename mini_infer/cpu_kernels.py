@@ -6,19 +6,19 @@ Docs: https://mini-infer.github.io/mini-infer/cpu_kernels.html.md"""
 
 # %% auto #0
 __all__ = ['CPU_KERNELS_C', 'cpu_kernels', 'pack_weight', 'linear_packed', 'pack_glu', 'linear_glu_packed', 'PackedLinear',
-           'KernelRMSNorm', 'KernelApplyRope', 'KernelMLP', 'use_cpu_kernels']
+           'KernelRMSNorm', 'KernelApplyRope', 'KernelAttention', 'KernelMLP', 'use_cpu_kernels']
 
 # %% ../nbs/07_cpu_kernels.ipynb #7b46e021
 import ctypes, functools
 
-# %% ../nbs/07_cpu_kernels.ipynb #4279c7d9
+# %% ../nbs/07_cpu_kernels.ipynb #0ca66ebd
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .model import RMSNorm, ApplyRope, MLP
+from .model import RMSNorm, ApplyRope, MLP, Attention
 from .paged_cache import _load_library, _PTR, _SIZE, VEXP_C
 
-# %% ../nbs/07_cpu_kernels.ipynb #04fe0e04
+# %% ../nbs/07_cpu_kernels.ipynb #8de89941
 CPU_KERNELS_C = r"""
 #include <stdint.h>
 #include <string.h>
@@ -71,18 +71,25 @@ static const tile_fn tiles[] = {0, tile1, tile2, tile3, tile4, tile5, tile6,
 #endif
 };
 
-/* y[M, N] = x[M, K] @ W.T + bias, with W packed as [ceil(N / NB), K, NB] (zero columns past N) and bias padded alike. */
-void linear_packed(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
+/* y_s[M, N_s] = x[M, K] @ W_s.T + b_s for up to three weights W_s packed one after another, each as [ceil(N_s / NB), K, NB]
+   (zero columns past N_s), with the biases padded alike (N_s = 0: no such output). One call for the products of one x,
+   such as q, k and v: the threads share out all the panels, and the prefetch runs on from one weight into the next. */
+void linear_packed(const float *x, const float *w, const float *bias, float *y0, int64_t N0, float *y1, int64_t N1,
+                   float *y2, int64_t N2, int64_t M, int64_t K, int num_threads) {
     if (M <= 0) return;
-    const int64_t P = (N + NB - 1) / NB, G = (M + MR - 1) / MR, lines = K * NB * 4 / 64, per = (lines + G - 1) / G;
+    float *const ys[3] = {y0, y1, y2};
+    const int64_t ns[3] = {N0, N1, N2}, ps[3] = {(N0 + NB - 1) / NB, (N1 + NB - 1) / NB, (N2 + NB - 1) / NB};
+    const int64_t P = ps[0] + ps[1] + ps[2], G = (M + MR - 1) / MR, lines = K * NB * 4 / 64, per = (lines + G - 1) / G;
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t p = 0; p < P; p++) {
+        int s = 0; int64_t q = p;                        /* panel p is panel q of output s */
+        while (q >= ps[s]) q -= ps[s++];
         const float *wp = w + p * K * NB;
-        const int64_t nc = N - p * NB < NB ? N - p * NB : NB;
+        const int64_t N = ns[s], nc = N - q * NB < NB ? N - q * NB : NB;
         for (int64_t g = 0; g < G; g++) {                /* balanced groups of at most MR rows */
             const int64_t m0 = g * M / G, m1 = (g + 1) * M / G, first = g * per;
             const int64_t npf = p + 1 < P && first < lines ? (lines - first < per ? lines - first : per) : 0;
-            tiles[m1 - m0](x + m0 * K, K, wp, bias ? bias + p * NB : 0, y + m0 * N + p * NB, N, nc,
+            tiles[m1 - m0](x + m0 * K, K, wp, bias ? bias + p * NB : 0, ys[s] + m0 * N + q * NB, N, nc,
                            (const char *)(wp + K * NB) + 64 * first, npf < K ? npf : K);
         }
     }
@@ -168,78 +175,86 @@ void rope(const float *x, const float *cs, const float *sn, float *y, int64_t T,
 def cpu_kernels() -> ctypes.CDLL | None:
     "The compiled library (`linear_packed`, `linear_glu_packed`, `rms_norm`, `rope`, `packed_block`), or None where it cannot be built; $MINI_INFER_NO_KERNELS=1 turns it off."
     return _load_library(CPU_KERNELS_C, "cpu_kernels", {"packed_block": ([], _SIZE),
-                                                         "linear_packed": ([_PTR] * 4 + [_SIZE] * 3 + [ctypes.c_int], None),
+                                                         "linear_packed": ([_PTR] * 3 + [_PTR, _SIZE] * 3 + [_SIZE] * 2 + [ctypes.c_int], None),
                                                          "linear_glu_packed": ([_PTR] * 3 + [_SIZE] * 3 + [ctypes.c_int], None),
                                                          "rms_norm": ([_PTR] * 3 + [_SIZE] * 2 + [ctypes.c_float, ctypes.c_int], None),
                                                          "rope": ([_PTR] * 4 + [_SIZE] * 3 + [ctypes.c_int], None)})
 
-# %% ../nbs/07_cpu_kernels.ipynb #9fef2c1d
+# %% ../nbs/07_cpu_kernels.ipynb #8eec129d
 def pack_weight(weight: torch.Tensor, block: int) -> torch.Tensor:
     "`weight` [N, K] as [ceil(N / block), K, block] panels, zero-padded past N: the order `linear_packed` reads it in."
     N, K = weight.shape
     w = F.pad(weight.detach().float(), (0, 0, 0, -N % block))
     return w.view(-1, block, K).transpose(1, 2).contiguous()
 
-def _checked_library(name: str, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None, sides: int = 1):
-    "The library, once the tensors are what `name`'s C reads: contiguous CPU float32, `x` [..., K], `packed` [P, K, sides * block]."
+def _checked_library(name: str, x: torch.Tensor, packed: torch.Tensor, out_features: list[int], bias: torch.Tensor | None = None, sides: int = 1):
+    "The library, once the tensors are what `name`'s C reads: contiguous CPU float32, `x` [..., K], `packed` [P, K, sides * block] holding `out_features`."
     lib = cpu_kernels()
     if lib is None: raise RuntimeError("the CPU kernels are not available on this machine")
     P, K, W = packed.shape
     nb = lib.packed_block()
     ts = [x, packed] + ([bias] if bias is not None else [])
-    if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in ts) or x.shape[-1] != K \
-            or W != sides * nb or not 0 < out_features <= P * nb or (bias is not None and bias.numel() != P * nb):
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in ts) or x.shape[-1] != K or W != sides * nb \
+            or not all(n > 0 for n in out_features) or sum(-(-n // nb) for n in out_features) != P or (bias is not None and bias.numel() != P * nb):
         raise ValueError(f"{name} needs contiguous CPU float32 tensors, x [..., {K}] and panels of {sides * nb} columns")
     return lib
 
-def linear_packed(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    "`F.linear(x, W, bias)` for CPU float32 `x` [..., K], with `packed = pack_weight(W, block)` and `bias` padded alike."
-    lib = _checked_library("linear_packed", x, packed, out_features, bias)
-    y = x.new_empty(*x.shape[:-1], out_features)
-    lib.linear_packed(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                      x.numel() // x.shape[-1], out_features, x.shape[-1], torch.get_num_threads())
-    return y
+def linear_packed(x: torch.Tensor, packed: torch.Tensor, out_features: int | list[int], bias: torch.Tensor | None = None):
+    """`F.linear(x, W, bias)` for CPU float32 `x` [..., K], with `packed = pack_weight(W, block)` and `bias` padded alike.
+    With a list of up to three sizes, the weights (and biases) packed one after another: one call, a list of results."""
+    sizes = [out_features] if isinstance(out_features, int) else list(out_features)
+    if not 1 <= len(sizes) <= 3: raise ValueError("linear_packed takes one to three weights")
+    lib = _checked_library("linear_packed", x, packed, sizes, bias)
+    ys = [x.new_empty(*x.shape[:-1], n) for n in sizes]
+    outs = [a for y, n in zip(ys, sizes) for a in (y.data_ptr(), n)] + [None, 0] * (3 - len(sizes))
+    lib.linear_packed(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, *outs,
+                      x.numel() // x.shape[-1], x.shape[-1], torch.get_num_threads())
+    return ys[0] if isinstance(out_features, int) else ys
 
-# %% ../nbs/07_cpu_kernels.ipynb #ddb095de
+# %% ../nbs/07_cpu_kernels.ipynb #c66f83ab
 def pack_glu(gate: torch.Tensor, up: torch.Tensor, block: int) -> torch.Tensor:
     "The gate and up weights [N, K] packed side by side, [ceil(N / block), K, 2 * block]: the order `linear_glu_packed` reads them in."
     return torch.cat([pack_weight(gate, block), pack_weight(up, block)], -1).contiguous()
 
 def linear_glu_packed(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     "`F.silu(F.linear(x, Wg)) * F.linear(x, Wu)` for CPU float32 `x` [..., K], with `packed = pack_glu(Wg, Wu, block)`."
-    lib = _checked_library("linear_glu_packed", x, packed, out_features, sides=2)
+    lib = _checked_library("linear_glu_packed", x, packed, [out_features], sides=2)
     y = x.new_empty(*x.shape[:-1], out_features)
     lib.linear_glu_packed(x.data_ptr(), packed.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], out_features, x.shape[-1], torch.get_num_threads())
     return y
 
-# %% ../nbs/07_cpu_kernels.ipynb #e63e23c7
+# %% ../nbs/07_cpu_kernels.ipynb #ee88ea04
 def _kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     "Inference on CPU float32 with the kernels built; anything else (GPU, half types, autograd) takes PyTorch's path."
     return cpu_kernels() is not None and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 \
         and not (torch.is_grad_enabled() and weight.requires_grad)
 
-class PackedLinear(nn.Module):
+class _Packs:
+    "Keeps a packed copy of some parameters, made again whenever one of them changed (in place too, say by `load_state_dict`)."
+    _key = _copy = None
+    def _packed(self, params, pack):
+        key = tuple((p.data_ptr(), p._version) for p in params if p is not None)
+        if key != self._key: self._copy, self._key = pack(), key
+        return self._copy
+
+def _pack_linears(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    "The linears' weights packed one after another, and their biases padded alike (zeros where one has none; None if none has)."
+    nb = cpu_kernels().packed_block()
+    w = torch.cat([pack_weight(l.weight, nb) for l in linears])
+    if all(l.bias is None for l in linears): return w, None
+    bs = [l.bias.detach().float() if l.bias is not None else torch.zeros(l.out_features) for l in linears]
+    return w, torch.cat([F.pad(b, (0, -b.numel() % nb)) for b in bs])
+
+class PackedLinear(_Packs, nn.Module):
     "An `nn.Linear` whose CPU float32 inference runs `linear_packed`; same parameters, same state dict."
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self._key = self._packed = self._bias = None
-
-    def _panels(self):
-        "The packed weight and padded bias, packed again whenever the parameters changed."
-        w, b = self.weight, self.bias
-        key = (w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
-        if key != self._key:
-            nb = cpu_kernels().packed_block()
-            self._packed = pack_weight(w, nb)
-            self._bias = None if b is None else F.pad(b.detach().float(), (0, -self.out_features % nb))
-            self._key = key
-        return self._packed, self._bias
 
     def forward(self, x):
         if not _kernel_applies(x, self.weight): return F.linear(x, self.weight, self.bias)
-        packed, bias = self._panels()
+        packed, bias = self._packed([self.weight, self.bias], lambda: _pack_linears([self]))
         return linear_packed(x.contiguous(), packed, self.out_features, bias)
 
     def extra_repr(self): return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -261,28 +276,35 @@ class KernelApplyRope(ApplyRope):
         cpu_kernels().rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), *x.shape, torch.get_num_threads())
         return y
 
-class KernelMLP(MLP):
+class KernelAttention(_Packs, Attention):
+    "`Attention` whose CPU float32 q, k and v come from one `linear_packed` call, their weights packed one after another."
+    def __init__(self, attn: Attention):
+        nn.Module.__init__(self)
+        self.layer_idx, self.n_heads, self.n_kv, self.head_dim = attn.layer_idx, attn.n_heads, attn.n_kv, attn.head_dim
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.rope = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, attn.rope
+
+    def qkv(self, x):
+        if not _kernel_applies(x, self.q_proj.weight): return super().qkv(x)
+        lins = [self.q_proj, self.k_proj, self.v_proj]
+        packed, bias = self._packed([p for l in lins for p in (l.weight, l.bias)], lambda: _pack_linears(lins))
+        return linear_packed(x.contiguous(), packed, [l.out_features for l in lins], bias)
+
+class KernelMLP(_Packs, MLP):
     "`MLP` whose CPU float32 forward runs gate, up, SiLU and product as one `linear_glu_packed`; same parameters, same state dict."
     def __init__(self, mlp: MLP):
         nn.Module.__init__(self)
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-        self._key = self._packed = None
-
-    def _panels(self):
-        "Gate and up packed side by side, packed again whenever either weight changed."
-        g, u = self.gate_proj.weight, self.up_proj.weight
-        key = (g.data_ptr(), g._version, u.data_ptr(), u._version)
-        if key != self._key: self._packed, self._key = pack_glu(g, u, cpu_kernels().packed_block()), key
-        return self._packed
 
     def forward(self, x):
-        if not _kernel_applies(x, self.gate_proj.weight) or self.gate_proj.bias is not None or self.up_proj.bias is not None:
-            return super().forward(x)
-        return self.down_proj(linear_glu_packed(x.contiguous(), self._panels(), self.gate_proj.out_features))
+        g, u = self.gate_proj, self.up_proj
+        if not _kernel_applies(x, g.weight) or g.bias is not None or u.bias is not None: return super().forward(x)
+        packed = self._packed([g.weight, u.weight], lambda: pack_glu(g.weight, u.weight, cpu_kernels().packed_block()))
+        return self.down_proj(linear_glu_packed(x.contiguous(), packed, g.out_features))
 
 def _kernel_version(m: nn.Module) -> nn.Module | None:
     if type(m) is nn.Linear: return PackedLinear(m)
     if type(m) is MLP: return KernelMLP(m)
+    if type(m) is Attention: return KernelAttention(m)
     if type(m) is ApplyRope: return KernelApplyRope()
     if type(m) is RMSNorm:
         k = KernelRMSNorm(m.weight.shape[0], m.eps)
@@ -296,5 +318,5 @@ def use_cpu_kernels(model: nn.Module) -> int:
     n = 0
     for name, child in list(model.named_children()):
         if (new := _kernel_version(child)) is not None: setattr(model, name, new); child = new; n += 1
-        n += use_cpu_kernels(child)   # and inside: a KernelMLP keeps its linears, which become PackedLinear too
+        n += use_cpu_kernels(child)   # and inside: the kernel versions of Attention and MLP keep their linears, which become PackedLinear too
     return n

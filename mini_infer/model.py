@@ -164,7 +164,7 @@ class ContiguousKVCache(KVCache):
         self.v[layer, self.start:self.end] = v
         return causal_attention(q, self.k[layer, :self.end], self.v[layer, :self.end], self.start)
 
-# %% ../nbs/01_model.ipynb #c49978bc
+# %% ../nbs/01_model.ipynb #82e29436
 class Attention(nn.Module):
     "Grouped-query self-attention with rotary embeddings; K/V go through the cache."
     def __init__(self, cfg: ModelConfig, layer_idx: int):
@@ -176,12 +176,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.rope = ApplyRope()
 
+    def qkv(self, x):
+        "The query, key and value projections of `x` (a method of its own, so that a faster version can replace it)."
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def forward(self, x, cos, sin, cache: KVCache):
         T = x.shape[0]
-        q = self.rope(self.q_proj(x).view(T, self.n_heads, self.head_dim), cos, sin)
-        k = self.rope(self.k_proj(x).view(T, self.n_kv, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
-        return self.o_proj(cache.attend(self.layer_idx, q, k, v).reshape(T, -1))
+        q, k, v = self.qkv(x)
+        q = self.rope(q.view(T, self.n_heads, self.head_dim), cos, sin)
+        k = self.rope(k.view(T, self.n_kv, self.head_dim), cos, sin)
+        return self.o_proj(cache.attend(self.layer_idx, q, k, v.view(T, self.n_kv, self.head_dim)).reshape(T, -1))
 
 class MLP(nn.Module):
     "SwiGLU feed-forward: down(silu(gate(x)) * up(x))."

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from mini_infer.cpu_kernels import cpu_kernels, pack_weight, linear_packed, PackedLinear, KernelApplyRope, use_cpu_kernels
+from mini_infer.cpu_kernels import (cpu_kernels, pack_weight, pack_glu, linear_packed, linear_glu_packed, PackedLinear, KernelApplyRope,
+                                    use_cpu_kernels)
 from mini_infer.model import ApplyRope, RotaryEmbedding, ModelConfig
 from mini_infer.loader import load_safetensors
 from test_loader import tiny_hf, our_logits
@@ -18,7 +19,7 @@ def test_kernel_model_matches_transformers(tmp_path, arch, heads, kv, tied):
     model = load_safetensors(tmp_path, "cpu", torch.float32)
     plain = copy.deepcopy(model)
     n_linear = sum(type(m) is nn.Linear for m in model.modules())
-    assert use_cpu_kernels(model) == n_linear + 4 * model.config.num_hidden_layers + 1   # linears; 2 norms, RoPE and the MLP a layer; final norm
+    assert use_cpu_kernels(model) == n_linear + 5 * model.config.num_hidden_layers + 1   # linears; 2 norms, RoPE, attention and MLP a layer; final norm
     ids = torch.randint(0, 101, (23,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(): ref = hf(ids[None]).logits[0]
     ours = our_logits(model, ids)
@@ -54,6 +55,57 @@ def test_linear_packed_rejects_bad_input():
     with pytest.raises(ValueError): linear_packed(torch.randn(4, 32), Wp, 64 + nb)             # more outputs than panels
     with pytest.raises(ValueError): linear_packed(torch.randn(4, 32), Wp, 64, torch.zeros(3))  # bias not padded
     torch.testing.assert_close(linear_packed(torch.randn(0, 32), Wp, 64), torch.empty(0, 64))  # no rows: nothing to do
+
+
+def test_linear_packed_several_outputs_in_one_call():
+    "Up to three weights packed one after another: each result is the bits of its own single call (partial panels, one bias missing)."
+    nb = cpu_kernels().packed_block()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(19, 48, generator=g)
+    Ws = [torch.randn(n, 48, generator=g) for n in (70, 32, 5)]
+    bs = [torch.randn(70, generator=g), None, torch.randn(5, generator=g)]
+    pad = lambda b, n: F.pad(b if b is not None else torch.zeros(n), (0, -n % nb))
+    packed, bias = torch.cat([pack_weight(W, nb) for W in Ws]), torch.cat([pad(b, W.shape[0]) for W, b in zip(Ws, bs)])
+    outs = linear_packed(x, packed, [70, 32, 5], bias)
+    for out, W, b in zip(outs, Ws, bs):
+        assert torch.equal(out, linear_packed(x, pack_weight(W, nb), W.shape[0], pad(b, W.shape[0])))
+        torch.testing.assert_close(out, F.linear(x, W, b), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError): linear_packed(x, packed, [70, 32, 5, 1], bias)   # at most three
+    with pytest.raises(ValueError): linear_packed(x, packed, [70, 32], bias)         # panels left over
+
+
+def test_glu_kernel_matches_pytorch_and_rejects_bad_input():
+    nb = cpu_kernels().packed_block()
+    for M, N, K in [(1, 64, 32), (13, 100, 48), (300, 96, 16)]:
+        x, Wg, Wu = torch.randn(M, K), torch.randn(N, K) / 4, torch.randn(N, K) / 4
+        packed = pack_glu(Wg, Wu, nb)
+        ours = linear_glu_packed(x, packed, N)
+        torch.testing.assert_close(ours, F.silu(F.linear(x, Wg)) * F.linear(x, Wu), rtol=1e-5, atol=1e-5)
+        assert torch.equal(linear_glu_packed(x[:1], packed, N), ours[:1])   # batch invariant
+    big = torch.full((2, 16), 100.0)   # e^-g under- and overflow: silu(g) = g for g >> 0, 0 for g << 0
+    out = linear_glu_packed(big, pack_glu(torch.eye(16), torch.eye(16), nb), 16)
+    torch.testing.assert_close(out, torch.full((2, 16), 100.0 * 100.0))
+    out = linear_glu_packed(-big, pack_glu(torch.eye(16), -torch.eye(16), nb), 16)
+    assert torch.isfinite(out).all() and out.abs().max() < 1e-30
+    with pytest.raises(ValueError): linear_glu_packed(x, pack_weight(Wg, nb), N)    # not a gate/up packing
+    with pytest.raises(ValueError): linear_glu_packed(x.double(), packed, N)
+
+
+def test_kernel_model_repacks_after_load_state_dict(tmp_path):
+    "The fused q/k/v and gate/up copies follow a weight change, as a PackedLinear's does."
+    hf = tiny_hf("qwen2", 4, 2, False)
+    hf.save_pretrained(tmp_path)
+    model = load_safetensors(tmp_path, "cpu", torch.float32)
+    plain = copy.deepcopy(model)
+    use_cpu_kernels(model)
+    ids = torch.randint(0, 101, (9,), generator=torch.Generator().manual_seed(2))
+    before = our_logits(model, ids)
+    g = torch.Generator().manual_seed(3)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in plain.state_dict().items()}
+    model.load_state_dict(new); plain.load_state_dict(new)
+    after = our_logits(model, ids)
+    assert (after - before).abs().max() > 1e-2
+    assert (after - our_logits(plain, ids)).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("T,H,D", [(1, 9, 64), (37, 4, 16), (300, 2, 128)])
