@@ -1,4 +1,4 @@
-"""A decode step multiplies every weight matrix by a few dozen rows. The BLAS library is tuned for big square products and wastes most of its time on these short ones. A 60-line C kernel over weights packed once at load time does them 1.3-1.5x faster, gives every row the same result whatever the batch, and takes the engine's float32 step down by a fifth.
+"""A decode step multiplies every weight matrix by a few dozen rows. The BLAS library is tuned for big square products and wastes most of its time on these short ones. A 60-line C kernel over weights packed once at load time does them 1.3-1.5x faster, gives every row the same result whatever the batch, and takes the engine's float32 step down by a fifth. Fusing the products that share an input (q, k and v in one call; SwiGLU's gate and up in one product, with the SiLU applied in registers) takes off another 7-10%.
 
 Docs: https://mini-infer.github.io/mini-infer/cpu_kernels.html.md"""
 
