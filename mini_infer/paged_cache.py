@@ -557,7 +557,7 @@ def paged_prefill_kernel(q, k_pool, v_pool, out, seqs, block_tables):
        block_tables.shape[1], len(seqs), Hq, Hkv, D, B, D ** -0.5, torch.get_num_threads())
     return out
 
-# %% ../nbs/02_paged_cache.ipynb #34696177
+# %% ../nbs/02_paged_cache.ipynb #7f941d8c
 _HUGE_PAGE = 2 << 20
 
 def pool_zeros(shape, dtype, device=None) -> torch.Tensor:
@@ -566,7 +566,8 @@ def pool_zeros(shape, dtype, device=None) -> torch.Tensor:
     if torch.device(device or "cpu").type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE"): return torch.zeros(shape, dtype=dtype, device=device)
     n = math.prod(shape) * dtype.itemsize
     m = mmap.mmap(-1, n + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(mmap.MADV_HUGEPAGE)
+    try: m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError: pass                           # a kernel without transparent huge pages: 4 KB pages, as before
     raw = torch.frombuffer(m, dtype=torch.uint8)   # the tensor keeps the mapping alive
     start = -raw.data_ptr() % _HUGE_PAGE
     # write every page now: left to fault in one by one during steps, they stalled the K/V writes by 7-11 ms a step
