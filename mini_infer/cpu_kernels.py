@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from .model import RMSNorm, ApplyRope, MLP, Attention
 from .paged_cache import _load_library, _PTR, _SIZE, VEXP_C
 
-# %% ../nbs/07_cpu_kernels.ipynb #8de89941
+# %% ../nbs/07_cpu_kernels.ipynb #776a565f
 CPU_KERNELS_C = r"""
 #include <stdint.h>
 #include <string.h>
@@ -36,6 +36,7 @@ typedef int32_t vi __attribute__((vector_size(32)));
 #define GR 3
 #endif
 #define NB (2 * VL)                                  /* columns per panel: two vectors */
+#define PAIR_ROWS 256                                /* from this many rows on, panels go in pairs */
 """ + VEXP_C + r"""
 
 int64_t packed_block(void) { return NB; }
@@ -71,6 +72,46 @@ static const tile_fn tiles[] = {0, tile1, tile2, tile3, tile4, tile5, tile6,
 #endif
 };
 
+/* Many rows (a prefill step): two panels at a time, GR rows x 4 vectors, so that each x value loaded feeds 4
+   multiply-adds instead of 2. The chains over k are those of tile##R, so the results are the same bits. */
+#define PTILE(R)                                                                                                    \
+static void ptile##R(const float *x, int64_t K, const float *wa, const float *wb, const float *ba, const float *bb,  \
+                     float *ya, int64_t lda, int64_t nca, float *yb, int64_t ldb, int64_t ncb) {                      \
+    vf a[R][2], b[R][2];                                                                                            \
+    for (int r = 0; r < R; r++) for (int j = 0; j < 2; j++) {                                                       \
+        if (ba) memcpy(&a[r][j], ba + j * VL, sizeof(vf)); else a[r][j] = (vf){0};                                  \
+        if (bb) memcpy(&b[r][j], bb + j * VL, sizeof(vf)); else b[r][j] = (vf){0};                                  \
+    }                                                                                                               \
+    for (int64_t k = 0; k < K; k++) {                                                                               \
+        vf w0, w1, w2, w3;                                                                                          \
+        memcpy(&w0, wa + k * NB, sizeof(vf)); memcpy(&w1, wa + k * NB + VL, sizeof(vf));                            \
+        memcpy(&w2, wb + k * NB, sizeof(vf)); memcpy(&w3, wb + k * NB + VL, sizeof(vf));                            \
+        for (int r = 0; r < R; r++) { float s = x[r * K + k]; a[r][0] += s * w0; a[r][1] += s * w1; b[r][0] += s * w2; b[r][1] += s * w3; } \
+    }                                                                                                               \
+    for (int r = 0; r < R; r++) {                                                                                   \
+        if (nca == NB) memcpy(ya + r * lda, a[r], sizeof(a[r])); else memcpy(ya + r * lda, a[r], nca * sizeof(float)); \
+        if (ncb == NB) memcpy(yb + r * ldb, b[r], sizeof(b[r])); else memcpy(yb + r * ldb, b[r], ncb * sizeof(float)); \
+    }                                                                                                               \
+}
+PTILE(1) PTILE(2) PTILE(3)
+#if GR > 3
+PTILE(4) PTILE(5) PTILE(6)
+#endif
+typedef void (*ptile_fn)(const float *, int64_t, const float *, const float *, const float *, const float *, float *, int64_t, int64_t, float *, int64_t, int64_t);
+static const ptile_fn ptiles[] = {0, ptile1, ptile2, ptile3,
+#if GR > 3
+                                  ptile4, ptile5, ptile6,
+#endif
+};
+/* Where panel p's results go, when several outputs are packed one after another: output s's columns from q * NB on
+   (nc of them, at most NB), rows ld apart. */
+static inline float *panel_out(int64_t p, float *const *ys, const int64_t *ns, const int64_t *ps, int64_t *ld, int64_t *nc) {
+    int s = 0;
+    while (p >= ps[s]) p -= ps[s++];
+    *ld = ns[s]; *nc = ns[s] - p * NB < NB ? ns[s] - p * NB : NB;
+    return ys[s] + p * NB;
+}
+
 /* y_s[M, N_s] = x[M, K] @ W_s.T + b_s for up to three weights W_s packed one after another, each as [ceil(N_s / NB), K, NB]
    (zero columns past N_s), with the biases padded alike (N_s = 0: no such output). One call for the products of one x,
    such as q, k and v: the threads share out all the panels, and the prefetch runs on from one weight into the next. */
@@ -79,17 +120,41 @@ void linear_packed(const float *x, const float *w, const float *bias, float *y0,
     if (M <= 0) return;
     float *const ys[3] = {y0, y1, y2};
     const int64_t ns[3] = {N0, N1, N2}, ps[3] = {(N0 + NB - 1) / NB, (N1 + NB - 1) / NB, (N2 + NB - 1) / NB};
-    const int64_t P = ps[0] + ps[1] + ps[2], G = (M + MR - 1) / MR, lines = K * NB * 4 / 64, per = (lines + G - 1) / G;
+    const int64_t P = ps[0] + ps[1] + ps[2];
+    if (M >= PAIR_ROWS) {   /* pairs of panels, each pair's rows in two halves so that the threads balance */
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+        for (int64_t it = 0; it < (P + 1) / 2 * 2; it++) {
+            const int64_t pa = it / 2 * 2, r0 = it % 2 * M / 2, Mi = (it % 2 + 1) * M / 2 - r0;
+            int64_t lda, nca, ldb, ncb;
+            float *ya = panel_out(pa, ys, ns, ps, &lda, &nca);
+            if (pa + 1 < P) {
+                float *yb = panel_out(pa + 1, ys, ns, ps, &ldb, &ncb);
+                const int64_t G = (Mi + GR - 1) / GR;
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t m0 = r0 + g * Mi / G, m1 = r0 + (g + 1) * Mi / G;
+                    ptiles[m1 - m0](x + m0 * K, K, w + pa * K * NB, w + (pa + 1) * K * NB, bias ? bias + pa * NB : 0,
+                                    bias ? bias + (pa + 1) * NB : 0, ya + m0 * lda, lda, nca, yb + m0 * ldb, ldb, ncb);
+                }
+            } else {                                     /* an odd last panel on its own */
+                const int64_t G = (Mi + MR - 1) / MR;
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t m0 = r0 + g * Mi / G, m1 = r0 + (g + 1) * Mi / G;
+                    tiles[m1 - m0](x + m0 * K, K, w + pa * K * NB, bias ? bias + pa * NB : 0, ya + m0 * lda, lda, nca, 0, 0);
+                }
+            }
+        }
+        return;
+    }
+    const int64_t G = (M + MR - 1) / MR, lines = K * NB * 4 / 64, per = (lines + G - 1) / G;
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t p = 0; p < P; p++) {
-        int s = 0; int64_t q = p;                        /* panel p is panel q of output s */
-        while (q >= ps[s]) q -= ps[s++];
+        int64_t ld, nc;
+        float *y = panel_out(p, ys, ns, ps, &ld, &nc);
         const float *wp = w + p * K * NB;
-        const int64_t N = ns[s], nc = N - q * NB < NB ? N - q * NB : NB;
         for (int64_t g = 0; g < G; g++) {                /* balanced groups of at most MR rows */
             const int64_t m0 = g * M / G, m1 = (g + 1) * M / G, first = g * per;
             const int64_t npf = p + 1 < P && first < lines ? (lines - first < per ? lines - first : per) : 0;
-            tiles[m1 - m0](x + m0 * K, K, wp, bias ? bias + p * NB : 0, ys[s] + m0 * N + q * NB, N, nc,
+            tiles[m1 - m0](x + m0 * K, K, wp, bias ? bias + p * NB : 0, y + m0 * ld, ld, nc,
                            (const char *)(wp + K * NB) + 64 * first, npf < K ? npf : K);
         }
     }

@@ -61,15 +61,17 @@ def test_linear_packed_several_outputs_in_one_call():
     "Up to three weights packed one after another: each result is the bits of its own single call (partial panels, one bias missing)."
     nb = cpu_kernels().packed_block()
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(19, 48, generator=g)
     Ws = [torch.randn(n, 48, generator=g) for n in (70, 32, 5)]
     bs = [torch.randn(70, generator=g), None, torch.randn(5, generator=g)]
     pad = lambda b, n: F.pad(b if b is not None else torch.zeros(n), (0, -n % nb))
     packed, bias = torch.cat([pack_weight(W, nb) for W in Ws]), torch.cat([pad(b, W.shape[0]) for W, b in zip(Ws, bs)])
-    outs = linear_packed(x, packed, [70, 32, 5], bias)
-    for out, W, b in zip(outs, Ws, bs):
-        assert torch.equal(out, linear_packed(x, pack_weight(W, nb), W.shape[0], pad(b, W.shape[0])))
-        torch.testing.assert_close(out, F.linear(x, W, b), rtol=1e-5, atol=1e-4)
+    for M in (19, 300):   # 300 rows: panels in pairs, an odd one left over
+        x = torch.randn(M, 48, generator=g)
+        outs = linear_packed(x, packed, [70, 32, 5], bias)
+        for out, W, b in zip(outs, Ws, bs):
+            assert torch.equal(out, linear_packed(x, pack_weight(W, nb), W.shape[0], pad(b, W.shape[0])))
+            torch.testing.assert_close(out, F.linear(x, W, b), rtol=1e-5, atol=1e-4)
+        assert all(torch.equal(a[:1], c) for a, c in zip(outs, linear_packed(x[:1], packed, [70, 32, 5], bias)))   # the same bits as one row
     with pytest.raises(ValueError): linear_packed(x, packed, [70, 32, 5, 1], bias)   # at most three
     with pytest.raises(ValueError): linear_packed(x, packed, [70, 32], bias)         # panels left over
 
