@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from .model import RMSNorm, ApplyRope, MLP, Attention
 from .paged_cache import _load_library, _PTR, _SIZE, VEXP_C
 
-# %% ../nbs/07_cpu_kernels.ipynb #776a565f
+# %% ../nbs/07_cpu_kernels.ipynb #33583071
 CPU_KERNELS_C = r"""
 #include <stdint.h>
 #include <string.h>
@@ -209,12 +209,16 @@ void linear_glu_packed(const float *x, const float *w, float *y, int64_t M, int6
     }
 }
 
-/* y[m] = x[m] / sqrt(mean(x[m]^2) + eps) * w, one pass over each row. */
+/* y[m] = x[m] / sqrt(mean(x[m]^2) + eps) * w, one pass over each row. The sum of squares runs in VL lanes: as one
+   chain of N dependent additions it waited on the adder's latency, 0.9 us a row of 576. */
 void rms_norm(const float *x, const float *w, float *y, int64_t M, int64_t N, float eps, int num_threads) {
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (M * N > 65536)")
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * N; float *yr = y + m * N, ss = 0.f;
-        for (int64_t n = 0; n < N; n++) ss += xr[n] * xr[n];
+        vf acc = {0}; int64_t n = 0;
+        for (; n + VL <= N; n += VL) { vf v; memcpy(&v, xr + n, sizeof v); acc += v * v; }
+        for (int i = 0; i < VL; i++) ss += acc[i];
+        for (; n < N; n++) ss += xr[n] * xr[n];
         const float s = 1.f / __builtin_sqrtf(ss / N + eps);
         for (int64_t n = 0; n < N; n++) yr[n] = xr[n] * s * w[n];
     }

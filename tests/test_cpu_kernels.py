@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from mini_infer.cpu_kernels import (cpu_kernels, pack_weight, pack_glu, linear_packed, linear_glu_packed, PackedLinear, KernelApplyRope,
-                                    use_cpu_kernels)
+                                    KernelRMSNorm, use_cpu_kernels)
 from mini_infer.model import ApplyRope, RotaryEmbedding, ModelConfig
 from mini_infer.loader import load_safetensors
 from test_loader import tiny_hf, our_logits
@@ -108,6 +108,16 @@ def test_kernel_model_repacks_after_load_state_dict(tmp_path):
     after = our_logits(model, ids)
     assert (after - before).abs().max() > 1e-2
     assert (after - our_logits(plain, ids)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("M,N", [(1, 576), (300, 576), (7, 33), (2, 8), (130, 1536)])
+def test_rms_norm_kernel_matches_pytorch(M, N):
+    "Widths with and without a partial vector at the end; enough rows for both threads."
+    norm = KernelRMSNorm(N, 1e-5)
+    with torch.no_grad(): norm.weight.copy_(torch.randn(N))
+    x = torch.randn(M, N) * 3
+    with torch.inference_mode():
+        torch.testing.assert_close(norm(x), F.rms_norm(x, (N,), norm.weight, 1e-5), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("T,H,D", [(1, 9, 64), (37, 4, 16), (300, 2, 128)])
