@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from .model import RMSNorm, ApplyRope, MLP, Attention
 from .paged_cache import _load_library, _PTR, _SIZE, VEXP_C
 
-# %% ../nbs/07_cpu_kernels.ipynb #33583071
+# %% ../nbs/07_cpu_kernels.ipynb #a8f7cc5d
 CPU_KERNELS_C = r"""
 #include <stdint.h>
 #include <string.h>
@@ -72,37 +72,46 @@ static const tile_fn tiles[] = {0, tile1, tile2, tile3, tile4, tile5, tile6,
 #endif
 };
 
-/* Many rows (a prefill step): two panels at a time, GR rows x 4 vectors, so that each x value loaded feeds 4
-   multiply-adds instead of 2. The chains over k are those of tile##R, so the results are the same bits. */
-#define PTILE(R)                                                                                                    \
-static void ptile##R(const float *x, int64_t K, const float *wa, const float *wb, const float *ba, const float *bb,  \
-                     float *ya, int64_t lda, int64_t nca, float *yb, int64_t ldb, int64_t ncb) {                      \
+/* GR rows x 4 vectors: two panels a and b (k rows ldw floats apart) in one pass, so that each x value loaded feeds 4
+   multiply-adds instead of 2. The chains over k are those of tile##R, so the results are the same bits. The results go
+   to ya and yb as they are or, with glu, as silu(a) * b to ya alone: SwiGLU's gate and up, applied before they leave
+   the registers (silu(g) = g / (1 + e^-g), as PyTorch computes it). */
+#define WIDE_TILE(R)                                                                                                \
+static void wide_tile##R(const float *x, int64_t K, const float *wa, const float *wb, int64_t ldw, const float *ba,   \
+                         const float *bb, float *ya, int64_t lda, int64_t nca, float *yb, int64_t ldb, int64_t ncb,   \
+                         int glu, const char *pf, int64_t npf) {                                                    \
     vf a[R][2], b[R][2];                                                                                            \
     for (int r = 0; r < R; r++) for (int j = 0; j < 2; j++) {                                                       \
         if (ba) memcpy(&a[r][j], ba + j * VL, sizeof(vf)); else a[r][j] = (vf){0};                                  \
         if (bb) memcpy(&b[r][j], bb + j * VL, sizeof(vf)); else b[r][j] = (vf){0};                                  \
     }                                                                                                               \
-    for (int64_t k = 0; k < K; k++) {                                                                               \
+    const int64_t every = npf ? (K + npf - 1) / npf : K + 1;                                                        \
+    for (int64_t k = 0, next = 0, line = 0; k < K; k++) {                                                           \
+        if (k == next && line < npf) { __builtin_prefetch(pf + 64 * line++, 0, 2); next += every; }                 \
         vf w0, w1, w2, w3;                                                                                          \
-        memcpy(&w0, wa + k * NB, sizeof(vf)); memcpy(&w1, wa + k * NB + VL, sizeof(vf));                            \
-        memcpy(&w2, wb + k * NB, sizeof(vf)); memcpy(&w3, wb + k * NB + VL, sizeof(vf));                            \
+        memcpy(&w0, wa + k * ldw, sizeof(vf)); memcpy(&w1, wa + k * ldw + VL, sizeof(vf));                          \
+        memcpy(&w2, wb + k * ldw, sizeof(vf)); memcpy(&w3, wb + k * ldw + VL, sizeof(vf));                          \
         for (int r = 0; r < R; r++) { float s = x[r * K + k]; a[r][0] += s * w0; a[r][1] += s * w1; b[r][0] += s * w2; b[r][1] += s * w3; } \
     }                                                                                                               \
     for (int r = 0; r < R; r++) {                                                                                   \
+        if (glu) for (int j = 0; j < 2; j++) a[r][j] = a[r][j] / (1.f + vexp(-a[r][j])) * b[r][j];                  \
         if (nca == NB) memcpy(ya + r * lda, a[r], sizeof(a[r])); else memcpy(ya + r * lda, a[r], nca * sizeof(float)); \
+        if (glu) continue;                                                                                          \
         if (ncb == NB) memcpy(yb + r * ldb, b[r], sizeof(b[r])); else memcpy(yb + r * ldb, b[r], ncb * sizeof(float)); \
     }                                                                                                               \
 }
-PTILE(1) PTILE(2) PTILE(3)
+WIDE_TILE(1) WIDE_TILE(2) WIDE_TILE(3)
 #if GR > 3
-PTILE(4) PTILE(5) PTILE(6)
+WIDE_TILE(4) WIDE_TILE(5) WIDE_TILE(6)
 #endif
-typedef void (*ptile_fn)(const float *, int64_t, const float *, const float *, const float *, const float *, float *, int64_t, int64_t, float *, int64_t, int64_t);
-static const ptile_fn ptiles[] = {0, ptile1, ptile2, ptile3,
+typedef void (*wide_fn)(const float *, int64_t, const float *, const float *, int64_t, const float *, const float *, float *,
+                        int64_t, int64_t, float *, int64_t, int64_t, int, const char *, int64_t);
+static const wide_fn wide_tiles[] = {0, wide_tile1, wide_tile2, wide_tile3,
 #if GR > 3
-                                  ptile4, ptile5, ptile6,
+                                     wide_tile4, wide_tile5, wide_tile6,
 #endif
 };
+
 /* Where panel p's results go, when several outputs are packed one after another: output s's columns from q * NB on
    (nc of them, at most NB), rows ld apart. */
 static inline float *panel_out(int64_t p, float *const *ys, const int64_t *ns, const int64_t *ps, int64_t *ld, int64_t *nc) {
@@ -132,8 +141,8 @@ void linear_packed(const float *x, const float *w, const float *bias, float *y0,
                 const int64_t G = (Mi + GR - 1) / GR;
                 for (int64_t g = 0; g < G; g++) {
                     const int64_t m0 = r0 + g * Mi / G, m1 = r0 + (g + 1) * Mi / G;
-                    ptiles[m1 - m0](x + m0 * K, K, w + pa * K * NB, w + (pa + 1) * K * NB, bias ? bias + pa * NB : 0,
-                                    bias ? bias + (pa + 1) * NB : 0, ya + m0 * lda, lda, nca, yb + m0 * ldb, ldb, ncb);
+                    wide_tiles[m1 - m0](x + m0 * K, K, w + pa * K * NB, w + (pa + 1) * K * NB, NB, bias ? bias + pa * NB : 0,
+                                        bias ? bias + (pa + 1) * NB : 0, ya + m0 * lda, lda, nca, yb + m0 * ldb, ldb, ncb, 0, 0, 0);
                 }
             } else {                                     /* an odd last panel on its own */
                 const int64_t G = (Mi + MR - 1) / MR;
@@ -160,40 +169,8 @@ void linear_packed(const float *x, const float *w, const float *bias, float *y0,
     }
 }
 
-/* SwiGLU's first half, h = silu(x @ Wg.T) * (x @ Wu.T), as one product: Wg and Wu packed side by side, [P, K, 2 * NB]
-   (a gate panel and the matching up panel on each k row), GR rows a tile with 4 vectors each, and the SiLU and the
-   product done on the accumulators before they leave the registers. silu(g) = g / (1 + e^-g), as PyTorch computes it. */
-#define GLU_TILE(R)                                                                                                 \
-static void glu_tile##R(const float *x, int64_t K, const float *w, float *y, int64_t ldy, int64_t nc,                \
-                        const char *pf, int64_t npf) {                                                              \
-    vf g[R][2], u[R][2];                                                                                            \
-    for (int r = 0; r < R; r++) g[r][0] = g[r][1] = u[r][0] = u[r][1] = (vf){0};                                    \
-    const int64_t every = npf ? (K + npf - 1) / npf : K + 1;                                                        \
-    for (int64_t k = 0, next = 0, line = 0; k < K; k++) {                                                           \
-        if (k == next && line < npf) { __builtin_prefetch(pf + 64 * line++, 0, 2); next += every; }                 \
-        vf w0, w1, w2, w3; const float *wk = w + k * 2 * NB;                                                        \
-        memcpy(&w0, wk, sizeof(vf)); memcpy(&w1, wk + VL, sizeof(vf)); memcpy(&w2, wk + 2 * VL, sizeof(vf)); memcpy(&w3, wk + 3 * VL, sizeof(vf)); \
-        for (int r = 0; r < R; r++) {                                                                               \
-            float s = x[r * K + k]; g[r][0] += s * w0; g[r][1] += s * w1; u[r][0] += s * w2; u[r][1] += s * w3;     \
-        }                                                                                                           \
-    }                                                                                                               \
-    for (int r = 0; r < R; r++) {                                                                                   \
-        vf h[2]; for (int j = 0; j < 2; j++) h[j] = g[r][j] / (1.f + vexp(-g[r][j])) * u[r][j];                     \
-        if (nc == NB) memcpy(y + r * ldy, h, sizeof h); else memcpy(y + r * ldy, h, nc * sizeof(float));            \
-    }                                                                                                               \
-}
-GLU_TILE(1) GLU_TILE(2) GLU_TILE(3)
-#if GR > 3
-GLU_TILE(4) GLU_TILE(5) GLU_TILE(6)
-#endif
-typedef void (*glu_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t, const char *, int64_t);
-static const glu_fn glu_tiles[] = {0, glu_tile1, glu_tile2, glu_tile3,
-#if GR > 3
-                                   glu_tile4, glu_tile5, glu_tile6,
-#endif
-};
-
-/* h[M, N] = silu(x[M, K] @ Wg.T) * (x @ Wu.T), with w = Wg and Wu packed side by side; work split as in linear_packed. */
+/* SwiGLU's first half, h[M, N] = silu(x[M, K] @ Wg.T) * (x @ Wu.T), as one product: Wg and Wu packed side by side,
+   [P, K, 2 * NB] (a gate panel and the matching up panel on each k row); work split as in linear_packed. */
 void linear_glu_packed(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
     if (M <= 0) return;
     const int64_t P = (N + NB - 1) / NB, G = (M + GR - 1) / GR, lines = K * 2 * NB * 4 / 64, per = (lines + G - 1) / G;
@@ -204,7 +181,8 @@ void linear_glu_packed(const float *x, const float *w, float *y, int64_t M, int6
         for (int64_t g = 0; g < G; g++) {
             const int64_t m0 = g * M / G, m1 = (g + 1) * M / G, first = g * per;
             const int64_t npf = p + 1 < P && first < lines ? (lines - first < per ? lines - first : per) : 0;
-            glu_tiles[m1 - m0](x + m0 * K, K, wp, y + m0 * N + p * NB, N, nc, (const char *)(wp + K * 2 * NB) + 64 * first, npf < K ? npf : K);
+            wide_tiles[m1 - m0](x + m0 * K, K, wp, wp + NB, 2 * NB, 0, 0, y + m0 * N + p * NB, N, nc, 0, 0, 0, 1,
+                                (const char *)(wp + K * 2 * NB) + 64 * first, npf < K ? npf : K);
         }
     }
 }

@@ -573,7 +573,7 @@ def pool_zeros(shape, dtype, device=None) -> torch.Tensor:
     # write every page now: left to fault in one by one during steps, they stalled the K/V writes by 7-11 ms a step
     return raw[start:start + n].view(dtype).view(shape).zero_()
 
-# %% ../nbs/02_paged_cache.ipynb #3abf02c3
+# %% ../nbs/02_paged_cache.ipynb #23e0ec17
 class PagedKVCache(KVCache):
     "K/V of many sequences in one pool of fixed-size blocks, for all layers; attention reads through block tables."
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16, device=None, dtype=torch.float32,
@@ -606,19 +606,18 @@ class PagedKVCache(KVCache):
             raise ValueError(f"slots outside the pool (0..{self.num_blocks * B - 1})")
         if max(ctx, default=0) > self.block_tables.shape[1] * B:
             raise ValueError(f"a context of {max(ctx)} tokens does not fit block tables {self.block_tables.shape[1]} blocks wide")
-        self.prefills, dec_tok, t = [], {}, 0
+        self.prefills, pre_rows, dec_tok, t = [], [], {}, 0
         for i, (n, c) in enumerate(zip(self.query_lens, ctx)):
             if n > c: raise ValueError(f"row {i}: {n} query tokens but a context of only {c}")
             if n == 1: dec_tok[i] = t
-            elif n > 1: self.prefills.append((t, t + n, self.block_tables[i, :-(-c // B)], c - n, c))
+            elif n > 1: self.prefills.append((t, t + n, self.block_tables[i, :-(-c // B)], c - n, c)); pre_rows.append(i)
             t += n
         self.decode_groups = []
         if self.attn_impl == "kernel":   # one call for all decode rows, each reading exactly its own context, and one for all prompt chunks
             if len(ctx) and not 0 <= int(self.block_tables.min()) <= int(self.block_tables.max()) < self.num_blocks:
                 raise ValueError(f"block tables name blocks outside the pool (0..{self.num_blocks - 1})")
-            pre = [i for i, n in enumerate(self.query_lens) if n > 1]
             self.prefill_seqs = torch.tensor([(s, e - s, c) for s, e, _, _, c in self.prefills], dtype=torch.long).view(-1, 3)
-            self.prefill_tables = self.block_tables[torch.tensor(pre, dtype=torch.long, device=dev)]
+            self.prefill_tables = self.block_tables[torch.tensor(pre_rows, dtype=torch.long, device=dev)]
             rows = torch.tensor(list(dec_tok), device=dev)
             self.decode_groups = [(torch.tensor(list(dec_tok.values()), device=dev), self.block_tables[rows], self.context_lens[rows])] if dec_tok else []
             return self
