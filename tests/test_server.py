@@ -206,8 +206,11 @@ def test_disconnect_frees_blocks(server):
     body = {"prompt": "Count from one to one thousand:", "max_tokens": 300, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server + "/v1/completions", json=body) as r:
         assert r.status_code == 200
-        for i, _ in enumerate(r.iter_lines()):
-            if i == 6: break
+        # Keep the line iterator referenced: a generator dropped mid-stream (`break` out of a for loop) is closed at
+        # once, and httpcore then closes the connection, so the server would see the client leave before /metrics.
+        lines = r.iter_lines()
+        events = [json.loads(l[6:]) for l in (next(lines) for _ in range(6)) if l]
+        assert len(events) == 3 and all(e["choices"][0]["finish_reason"] is None for e in events), events
         assert metrics(server)["mini_infer_kv_blocks_used"] > base["mini_infer_kv_blocks_used"]
     m = _wait_idle(server)
     assert m["mini_infer_kv_blocks_used"] == base["mini_infer_kv_blocks_used"]
