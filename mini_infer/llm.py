@@ -49,7 +49,8 @@ class TextStream:
         return 0
 
     def flush(self) -> str:
-        "At the end of the request, release whatever was held back."
+        "At the end of the request, release whatever was held back: a stop-string prefix, an unfinished character."
+        if not self.stopped: self.text += self.detok.flush()
         delta, self.sent = self.text[self.sent:], len(self.text)
         return delta
 

@@ -49,7 +49,7 @@ def test_run_offline_bench_tiny():
         assert s["wall_s"] > 0 and s["output_tok_s"] > 0 and s["total_tok_s"] > s["output_tok_s"]
         assert s["output_tokens"] == r["systems"]["ours"]["output_tokens"]
     assert r["systems"]["ours_static"]["matches"] == 3
-    assert all(0 <= r["systems"][k]["matches"] <= 3 for k in ("hf_continuous", "hf_static"))
+    assert all(r["systems"][k]["matches"] == 3 for k in ("hf_continuous", "hf_static"))   # a few tokens: no near-ties
     assert set(r["ratios"]) == {"ours_static", "hf_continuous", "hf_static"}
     assert r["limits"]["decode_ms"] > 0 and 0 < r["limits"]["fraction_of_ceiling"]
     assert r["engine"]["max_num_batched_tokens"] == 16

@@ -109,6 +109,34 @@ def test_bad_input_rejected_before_taking_blocks(llm):
 
 
 def test_llm_generate_runs_on_engine(llm):
-    outs = llm.generate(["The capital of France is", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=6))
-    assert len(outs) == 2 and all(len(o.token_ids) <= 6 for o in outs)
+    "The API's results, batched on the engine, are the reference loop's: tokens, text and finish reasons."
+    prompts = ["The capital of France is", [1, 2, 3], "def fib(n):"]
+    params = [SamplingParams(temperature=0, max_tokens=6), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, stop=["\n\n"])]
+    outs = llm.generate(prompts, params)
+    refs = [llm._generate_one(str(i), llm.encode(p), sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    assert [(o.token_ids, o.text, o.finish_reason) for o in outs] == [(r.token_ids, r.text, r.finish_reason) for r in refs]
+    assert outs[0].text and outs[1].finish_reason == "length" and len(outs[1].token_ids) == 4
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
+
+
+def test_seeded_rows_with_different_seeds_in_one_batch(llm, workload):
+    "Each seeded request draws from its own generator: batched together they give what each gives alone."
+    prompts, _ = workload
+    sps = [SamplingParams(temperature=1.0, seed=s, max_tokens=8, ignore_eos=True) for s in (1, 2, 3)]
+    alone = [run_to_completion(engine(llm), [p], [sp])[0].token_ids for p, sp in zip(prompts, sps)]
+    assert len({tuple(a) for a in alone}) == 3
+    assert [o.token_ids for o in run_to_completion(engine(llm), prompts[:3], sps)] == alone
+
+
+def test_text_held_back_at_max_tokens_is_released(llm):
+    "A request that reaches max_tokens while its text ends in a prefix of a stop string still gets that text."
+    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "Count from 1 to 10, separated by commas."}])
+    full = run_to_completion(engine(llm), [prompt], [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)])[0]
+    stop = full.text[-2:] + "\x00never"                          # its start is the text's tail; the rest never comes
+    eng = engine(llm)
+    rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[stop]))
+    deltas, last = [], None
+    while eng.has_unfinished():
+        for o in eng.step(): deltas.append(o.text_delta); last = o
+    assert "".join(deltas) == full.text and last.finished and last.finish_reason == "length"

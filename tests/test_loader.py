@@ -183,3 +183,12 @@ def test_truncated_and_corrupt_gguf(tmp_path, cache_dir):
             load_model(str(tmp_path / name), device="cpu")
         assert not gguf_cache_dir(tmp_path / name).exists()
     assert not [p for p in cache_dir.iterdir() if ".tmp" in p.name]  # no half-written cache entries
+
+
+def test_converted_model_cache_follows_the_converter_code(monkeypatch):
+    "A converter that would write the folder differently never reuses a folder an older one wrote."
+    import mini_infer.loader as loader
+    before = gguf_cache_dir(bundled_gguf_path())
+    assert gguf_cache_dir(bundled_gguf_path()) == before                       # stable while nothing changes
+    monkeypatch.setattr(loader, "unpermute", lambda w, n_heads: w[::-1])       # a changed converter step...
+    assert gguf_cache_dir(bundled_gguf_path()) != before                       # ...gets a folder of its own

@@ -69,6 +69,13 @@ def test_top_p_exact(logits):
     assert m[0].sum() >= 1 and m[5].all()
 
 
+def test_top_p_keeps_nothing_past_an_exact_cutoff():
+    "When the mass of the kept tokens reaches top_p exactly, the next token is out: probs [0.5, 0.25, 0.25], top_p 0.5."
+    m = top_p_mask(torch.tensor([[2.0, 1.0, 1.0], [1.0, 1.0, 2.0]]).log(), torch.tensor([0.5, 0.75]))
+    assert m.tolist() == [[True, False, False], [True, False, True]]
+    assert kept(m[0]) == ref_top_p([2.0, 1.0, 1.0], 0.5)
+
+
 def test_min_p_exact(logits):
     ms = torch.tensor([0.0, 0.01, 0.1, 0.3, 0.9, 1.0])
     m = min_p_mask(logits, ms)
@@ -147,6 +154,26 @@ def test_seeded_reproducible_and_batch_independent(logits):
     big = torch.cat([torch.randn(9, 50), target, torch.randn(3, 50)])
     mixed = [SamplingParams(temperature=0), SamplingParams(seed=7), SamplingParams(top_k=3)] * 4 + [SamplingParams()]
     assert alone == _seeded_run(big, 9, seed=42, others=mixed)  # other params, a greedy row, another seeded row
+
+
+def test_every_seeded_row_draws_from_its_own_generator(logits):
+    "Several seeded rows in one batch: each gives the tokens it gives alone, wherever it sits and whatever its neighbours."
+    s, steps = Sampler(), 6
+    params = [SamplingParams(temperature=1.0, seed=x) for x in (11, 22, 33)]
+
+    def run(batch, rows):   # params[j] at row rows[j], with a fresh generator of its seed; the other rows unseeded
+        ps, gens = [SamplingParams(temperature=1.2)] * len(batch), [None] * len(batch)
+        for r, p in zip(rows, params): ps[r], gens[r] = p, torch.Generator().manual_seed(p.seed)
+        draws = [s.sample(batch, ps, gens)[0].tolist() for _ in range(steps)]
+        return [[d[r] for d in draws] for r in rows]
+
+    alone = []
+    for i, p in enumerate(params):
+        g = torch.Generator().manual_seed(p.seed)
+        alone.append([s.sample(logits[i:i + 1], [p], [g])[0].item() for _ in range(steps)])
+    assert len({tuple(a) for a in alone}) == 3
+    assert run(logits[:3], [0, 1, 2]) == alone
+    assert run(torch.cat([logits[5:6], logits[2:3], logits[4:5], logits[0:1], logits[1:2]]), [3, 4, 1]) == alone
 
 
 def test_temperature_one_matches_softmax():
