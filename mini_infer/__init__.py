@@ -11,9 +11,8 @@ __all__ = []
 __version__ = "0.1.0"
 
 # The public API, imported on first use so that `import mini_infer` stays light (and nbdev's export never needs torch).
-# LLM comes from the engine module, which upgrades LLM.generate to continuous batching (chapter 3).
-_API = dict(LLM="engine", LLMEngine="engine", EngineConfig="engine", StepOutput="engine",
-            RequestOutput="llm", SamplingParams="sampling")
+_API = dict(LLM="llm", LLMEngine="engine", EngineConfig="engine", StepOutput="engine", RequestOutput="outputs",
+            SamplingParams="sampling", InvalidRequest="sampling", generate="reference")
 
 def __getattr__(name):
     if name not in _API: raise AttributeError(f"module 'mini_infer' has no attribute {name!r}")

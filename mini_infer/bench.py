@@ -10,9 +10,10 @@ import os, platform, time
 import torch
 from .model import CausalLM, ModelConfig
 from .sampling import SamplingParams
-from .paged_cache import count_parameters
-from .llm import LLM
-from .engine import LLMEngine, run_to_completion, generate_static
+from .memory_plan import count_parameters
+from .engine import LLMEngine
+from .llm import LLM, run_to_completion
+from .static_batching import generate_static
 
 # %% ../nbs/03_continuous_batching.ipynb #9b8277a7
 def _span(x) -> tuple[int, int]:

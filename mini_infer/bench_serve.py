@@ -123,7 +123,7 @@ def _base_url(url: str) -> str: return url.rstrip("/").removesuffix("/v1")
 
 async def bench(url: str, model: str | None, prompts: list[str], output_len: int, request_rate: float = math.inf,
                 burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0, api_key: str | None = None,
-                timeout_s: float = 300.0, ignore_eos: bool = True) -> tuple[list[RequestResult], float]:
+                timeout_s: float = 300.0, ignore_eos: bool = False) -> tuple[list[RequestResult], float]:
     "Send `prompts` as streaming completions arriving at `request_rate` (gamma arrivals); return results and wall time."
     base, headers = _base_url(url), ({"Authorization": f"Bearer {api_key}"} if api_key else {})
     rng, sem = np.random.default_rng(seed), asyncio.Semaphore(max_concurrency or len(prompts))
@@ -148,7 +148,7 @@ async def bench(url: str, model: str | None, prompts: list[str], output_len: int
 def run_bench_serve(url: str = "http://127.0.0.1:8000", model: str | None = None, num_prompts: int = 100, input_len: int = 64,
                     output_len: int = 64, request_rate: float = math.inf, burstiness: float = 1.0, max_concurrency: int | None = None,
                     prompts_file: str | None = None, seed: int = 0, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
-                    api_key: str | None = None, save_json: str | None = None, timeout_s: float = 300.0, ignore_eos: bool = True,
+                    api_key: str | None = None, save_json: str | None = None, timeout_s: float = 300.0, ignore_eos: bool = False,
                     quiet: bool = False) -> dict:
     "Benchmark an OpenAI-compatible server; print a table, optionally save JSON, return the summary dict."
     prompts = load_prompts(prompts_file)[:num_prompts] if prompts_file else random_prompts(num_prompts, input_len, seed)

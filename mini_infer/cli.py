@@ -18,9 +18,9 @@ def _sampling(a):
     from mini_infer.sampling import SamplingParams
     return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, max_tokens=a.max_tokens)
 
-def _llm(a):
-    from mini_infer.engine import LLM
-    return LLM(a.model, device=a.device, dtype=a.dtype)
+def _llm(a, **engine_kwargs):
+    from mini_infer.llm import LLM
+    return LLM(a.model, device=a.device, dtype=a.dtype, backend=a.backend, **engine_kwargs)
 
 def cmd_generate(a):
     "Complete each prompt and print the completions."
@@ -56,18 +56,17 @@ def cmd_chat(a):
         messages.append({"role": "assistant", "content": stream_chat(llm, messages, params)})
 
 def cmd_info(a):
-    "Device, dtype, versions and the KV-cache memory plan for a model."
-    from mini_infer.loader import load_model
-    from mini_infer.paged_cache import plan_memory, info_table
-    model, _ = load_model(a.model, device=a.device, dtype=a.dtype)
-    plan = plan_memory(model.config, model.device, model.dtype, a.kv_cache_memory, a.gpu_memory_utilization, a.block_size)
-    print(info_table(model, plan, a.model or getattr(model, "name_or_path", None)))
+    "Device, dtype, versions and the memory plan of the engine that `serve` would build for a model."
+    from mini_infer.memory_plan import info_table
+    llm = _llm(a, kv_cache_memory_gb=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size)
+    print(info_table(llm.model, llm.engine.memory, llm.model_name))
+    print(f"\nbackend        {a.backend} -> {type(llm.engine.backend).__name__}")
 
 def cmd_bench_offline(a):
     from mini_infer.bench import run_offline_bench, format_table
     r = run_offline_bench(a.model, num_requests=a.num_requests, input_len=tuple(a.input_len), output_len=tuple(a.output_len),
                           seed=a.seed, batch_size=a.batch_size, peers=not a.no_peers, device=a.device, dtype=a.dtype,
-                          num_threads=a.threads)
+                          num_threads=a.threads, backend=a.backend)
     print(format_table(r))
     if a.save_json: Path(a.save_json).write_text(json.dumps(r, indent=2, default=str))
 
@@ -75,7 +74,7 @@ def cmd_bench_serve(a):
     from mini_infer.bench_serve import run_bench_serve, sweep
     kw = dict(model=a.model, num_prompts=a.num_prompts, input_len=a.input_len, output_len=a.output_len, burstiness=a.burstiness,
               max_concurrency=a.max_concurrency, prompts_file=a.prompts_file, seed=a.seed, slo_ttft_ms=a.slo_ttft_ms,
-              slo_tpot_ms=a.slo_tpot_ms, api_key=a.api_key, save_json=a.save_json)
+              slo_tpot_ms=a.slo_tpot_ms, api_key=a.api_key, save_json=a.save_json, ignore_eos=a.ignore_eos)
     if len(a.request_rate) > 1: sweep(a.request_rate, url=a.url, **kw)
     else: run_bench_serve(a.url, request_rate=a.request_rate[0], **kw)
 
@@ -83,13 +82,15 @@ def cmd_serve(a):
     from mini_infer.server import serve
     serve(a.model, host=a.host, port=a.port, api_key=a.api_key, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
           kv_cache_memory_gb=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization, dtype=a.dtype, device=a.device,
-          max_waiting=a.max_waiting)
+          max_waiting=a.max_waiting, backend=a.backend)
 
 # %% ../nbs/90_cli.ipynb #be36cd5a
 def _model_args(p):
     p.add_argument("--model", "-m", default=None, help="Hub id, local directory, .gguf file or 'smollm2-135m' (default: Qwen2.5-0.5B-Instruct if available, else the bundled SmolLM2)")
     p.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     p.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: float32 on CPU, bf16/fp16 on GPU)")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "cpu"],
+                   help="torch (plain PyTorch), cpu (chapter 7's C kernels), or auto: the kernels where they build, else PyTorch")
 
 def _sampling_args(p):
     p.add_argument("--max-tokens", type=int, default=256)
@@ -132,7 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--burstiness", type=float, default=1.0); p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--prompts-file", default=None); p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, default=None); p.add_argument("--slo-tpot-ms", type=float, default=None)
-    p.add_argument("--api-key", default=None); p.add_argument("--save-json", default=None); p.set_defaults(fn=cmd_bench_serve)
+    p.add_argument("--api-key", default=None); p.add_argument("--save-json", default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="ask for exactly --output-len tokens (a vLLM extension: OpenAI's API and some servers reject it)")
+    p.set_defaults(fn=cmd_bench_serve)
     return ap
 
 def main(argv=None):

@@ -36,10 +36,10 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 def default_dtype(device) -> torch.dtype:
-    "float32 on CPU, bfloat16 on CUDA when supported, float16 otherwise."
+    "float32 on CPU; on CUDA bfloat16 from compute capability 8.0 (fast there), float16 below (a T4's bfloat16 is emulated); float16 on MPS."
     device = torch.device(device)
     if device.type == "cpu": return torch.float32
-    if device.type == "cuda" and torch.cuda.is_bf16_supported(): return torch.bfloat16
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0): return torch.bfloat16
     return torch.float16
 
 def bundled_gguf_path() -> Path:

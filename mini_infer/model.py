@@ -128,8 +128,8 @@ class ApplyRope(nn.Module):
 
 # %% ../nbs/01_model.ipynb #33f1f79b
 class KVCache:
-    "What attention needs from a cache. `attend` stores this step's k/v and returns attention over the whole context."
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    "What attention needs from a cache: `attend` stores this forward's k/v and returns attention over the whole context."
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step) -> torch.Tensor:
         raise NotImplementedError
 
 def causal_attention(q, k, v, q_start: int):
@@ -137,7 +137,9 @@ def causal_attention(q, k, v, q_start: int):
     T, S = q.shape[0], k.shape[0]
     # [1, heads, tokens, D]: SDPA's fused (flash) kernels need 4-D inputs, 3-D ones fall back to the slow math path
     q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
-    gqa = q.shape[1] != k.shape[1]   # SDPA shares each K/V head among its group of query heads, without copying K/V
+    gqa = q.shape[1] != k.shape[1]   # SDPA shares each K/V head among its group of query heads, without copying K/V...
+    if gqa and q.device.type != "cpu":  # ...on the CPU; a GPU's fused kernels may not take grouped heads: repeat them
+        k, v, gqa = k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // v.shape[1], 1), False
     if T == 1: out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)  # a single new token sees everything
     elif q_start == 0 and T == S: out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     else:
@@ -151,18 +153,15 @@ class ContiguousKVCache(KVCache):
         shape = (cfg.num_hidden_layers, max_len, cfg.num_key_value_heads, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.max_len, self.start, self.end = max_len, 0, 0
+        self.max_len = max_len
 
-    def prepare(self, start: int, n: int):
-        "The next forward holds positions start..start+n-1 of this sequence."
-        if start + n > self.max_len: raise ValueError(f"sequence of {start + n} tokens exceeds the cache's {self.max_len} slots")
-        self.start, self.end = start, start + n
-        return self
-
-    def attend(self, layer, q, k, v):
-        self.k[layer, self.start:self.end] = k
-        self.v[layer, self.start:self.end] = v
-        return causal_attention(q, self.k[layer, :self.end], self.v[layer, :self.end], self.start)
+    def attend(self, layer, q, k, v, start: int):
+        "`step` is `start`, the position of the forward's first token: its tokens fill slots start..start+T-1."
+        end = start + len(q)
+        if end > self.max_len: raise ValueError(f"sequence of {end} tokens exceeds the cache's {self.max_len} slots")
+        self.k[layer, start:end] = k
+        self.v[layer, start:end] = v
+        return causal_attention(q, self.k[layer, :end], self.v[layer, :end], start)
 
 # %% ../nbs/01_model.ipynb #82e29436
 class Attention(nn.Module):
@@ -180,12 +179,12 @@ class Attention(nn.Module):
         "The query, key and value projections of `x` (a method of its own, so that a faster version can replace it)."
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x, cos, sin, cache: KVCache):
+    def forward(self, x, cos, sin, cache: KVCache, step):
         T = x.shape[0]
         q, k, v = self.qkv(x)
         q = self.rope(q.view(T, self.n_heads, self.head_dim), cos, sin)
         k = self.rope(k.view(T, self.n_kv, self.head_dim), cos, sin)
-        return self.o_proj(cache.attend(self.layer_idx, q, k, v.view(T, self.n_kv, self.head_dim)).reshape(T, -1))
+        return self.o_proj(cache.attend(self.layer_idx, q, k, v.view(T, self.n_kv, self.head_dim), step).reshape(T, -1))
 
 class MLP(nn.Module):
     "SwiGLU feed-forward: down(silu(gate(x)) * up(x))."
@@ -208,8 +207,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+    def forward(self, x, cos, sin, cache, step):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, step)
         return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 # %% ../nbs/01_model.ipynb #f305ce3c
@@ -232,11 +231,11 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg, max_positions)
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, cache: KVCache, logits_indices=None):
-        "Logits [len(logits_indices) or T, vocab] for the packed tokens `input_ids` at `positions`."
+    def forward(self, input_ids, positions, cache: KVCache, step, logits_indices=None):
+        "Logits [len(logits_indices) or T, vocab] for the packed tokens `input_ids` at `positions`; `step` goes to the cache."
         cos, sin = self.rotary(positions, self.dtype)   # once per forward, shared by all layers
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers: x = layer(x, cos, sin, cache)
+        for layer in self.model.layers: x = layer(x, cos, sin, cache, step)
         if logits_indices is not None: x = x[logits_indices]
         return self.lm_head(self.model.norm(x)).float()
 

@@ -10,12 +10,13 @@ __all__ = ['SeqStatus', 'Sequence', 'SchedulerConfig', 'ScheduledStep', 'Schedul
 # %% ../nbs/03_continuous_batching.ipynb #53c0bf08
 import enum
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # %% ../nbs/03_continuous_batching.ipynb #88cff98a
-import torch
-from .sampling import SamplingParams, TokenLogprob
-from .paged_cache import BlockAllocator, BlockTable
+from .tokenizer import Tokenizer
+from .sampling import SamplingParams
+from .block_manager import BlockAllocator, BlockTable
+from .outputs import Request
 
 # %% ../nbs/03_continuous_batching.ipynb #f9280f77
 class SeqStatus(enum.Enum):
@@ -24,33 +25,34 @@ class SeqStatus(enum.Enum):
     PREEMPTED = "preempted"
     FINISHED = "finished"
 
-@dataclass(eq=False)
-class Sequence:
-    "One request inside the engine: its tokens, its place in the KV cache and its state."
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    block_table: BlockTable
-    output_ids: list[int] = field(default_factory=list)
-    status: SeqStatus = SeqStatus.WAITING
-    finish_reason: str | None = None
-    num_computed: int = 0          # tokens whose K/V are in the cache
-    priority: int = 0              # lower runs first; FCFS among equals
-    generator: torch.Generator | None = None
-    logprobs: list[TokenLogprob] | None = None
+class Sequence(Request):
+    "One request inside the engine: chapter 1's `Request`, plus its place in the KV cache and its scheduling state."
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer, max_len: int,
+                 block_size: int = 16, device=None, priority: int = 0):
+        super().__init__(request_id, prompt_ids, params, tokenizer, max_len, device)
+        self.block_table, self.status, self.priority = BlockTable(block_size), SeqStatus.WAITING, priority  # priority: lower first
+        self.num_computed_tokens = 0                  # tokens whose K/V are in the cache
+        self.spec_token_ids: list[int] = []           # proposed next tokens, not yet verified (chapter 5)
 
     @property
-    def num_tokens(self) -> int: return len(self.prompt_ids) + len(self.output_ids)
+    def num_tokens_with_spec(self) -> int: return self.num_tokens + len(self.spec_token_ids)
     @property
-    def num_pending(self) -> int: return self.num_tokens - self.num_computed
+    def num_pending(self) -> int: return self.num_tokens_with_spec - self.num_computed_tokens
     @property
-    def is_decoding(self) -> bool: return self.num_pending == 1 and bool(self.output_ids)
+    def is_decoding(self) -> bool: return bool(self.output_ids) and self.num_tokens - self.num_computed_tokens == 1
+
     def token_slice(self, start: int, n: int) -> list[int]:
-        "Token ids start..start+n-1 of prompt + output, without copying either list whole."
-        p = len(self.prompt_ids)
-        if start >= p: return self.output_ids[start - p:start - p + n]
-        if start + n <= p: return self.prompt_ids[start:start + n]
-        return self.prompt_ids[start:] + self.output_ids[:start + n - p]
+        "Token ids start..start+n-1 of prompt + output + proposed tokens, without copying the lists whole."
+        out = []
+        for part in (self.prompt_ids, self.output_ids, self.spec_token_ids):
+            if len(out) < n and start < len(part): out += part[start:start + n - len(out)]
+            start = max(0, start - len(part))
+        return out
+
+    def truncate(self, n: int, allocator: BlockAllocator):
+        "Roll back to the first `n` computed tokens; the blocks past them go back to the pool."
+        self.num_computed_tokens = min(self.num_computed_tokens, n)
+        self.block_table.truncate(min(n, self.block_table.num_tokens), allocator)
 
 # %% ../nbs/03_continuous_batching.ipynb #b242088b
 @dataclass
@@ -90,9 +92,9 @@ class Scheduler:
     def has_unfinished(self) -> bool: return bool(self.waiting or self.running)
 
     def _preempt(self, seq: Sequence):
-        "Free the victim's blocks and put it at the front of the queue to be recomputed later."
-        seq.block_table.free(self.allocator)
-        seq.num_computed, seq.status = 0, SeqStatus.PREEMPTED
+        "Roll the victim back to nothing computed, its blocks freed, and put it at the front of the queue to be recomputed."
+        seq.truncate(0, self.allocator)
+        seq.status = SeqStatus.PREEMPTED
         self.running.remove(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -100,34 +102,38 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         cfg, budget = self.config, self.config.max_num_batched_tokens
         decodes, prefills, preempted = [], [], []
-        # 1. running requests: decodes (1 token) and unfinished prompt chunks, oldest first
+        # 1. running requests: decodes (1 + k tokens) and unfinished prompt chunks, oldest first
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING: continue          # preempted earlier in this loop
             if budget <= 0: break
-            n = 1 if seq.num_pending == 1 else min(seq.num_pending, cfg.max_prefill_chunk, budget)
-            if n == 0: continue
-            while not seq.block_table.append(seq.num_computed + n - seq.block_table.num_tokens, self.allocator):
+            if seq.is_decoding: del seq.spec_token_ids[budget - 1:]   # the proposed tokens that fit the budget
+            n = seq.num_pending if seq.is_decoding else min(seq.num_pending, cfg.max_prefill_chunk, budget)
+            while not self._reserve(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim); preempted.append(victim)
                 if victim is seq: break
             if seq.status is SeqStatus.RUNNING:
-                (decodes if seq.num_pending == 1 else prefills).append((seq, n)); budget -= n
+                (decodes if seq.is_decoding else prefills).append((seq, n)); budget -= n
         # 2. waiting requests, in queue order, while budget, seats and blocks last
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
             seq = self.waiting[0]
             if cfg.enable_chunked_prefill: n = min(seq.num_pending, cfg.max_prefill_chunk, budget)
             elif seq.num_pending <= budget or not decodes + prefills: n = seq.num_pending   # whole; a prompt over budget runs alone
             else: break
-            if not seq.block_table.append(seq.num_computed + n - seq.block_table.num_tokens, self.allocator): break
+            if not self._reserve(seq, n): break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            (decodes if seq.num_pending == 1 else prefills).append((seq, n)); budget -= n
+            (decodes if seq.is_decoding else prefills).append((seq, n)); budget -= n
         return ScheduledStep(decodes + prefills, preempted)
 
-    def finish(self, seq: Sequence, reason: str):
+    def _reserve(self, seq: Sequence, n: int) -> bool:
+        "Slots for the sequence's next `n` tokens (all or nothing)."
+        return seq.block_table.append(seq.num_computed_tokens + n - seq.block_table.num_tokens, self.allocator)
+
+    def finish(self, seq: Sequence):
         "A request is done: its blocks go back to the pool at once."
-        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        seq.status = SeqStatus.FINISHED
         seq.block_table.free(self.allocator)
         if seq in self.running: self.running.remove(seq)
         elif seq in self.waiting: self.waiting.remove(seq)

@@ -20,9 +20,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from .sampling import SamplingParams
+from .sampling import SamplingParams, InvalidRequest
+from .outputs import as_prompt_list
+from .engine import LLMEngine
 from .llm import LLM
-from .engine import LLMEngine  # also gives LLM its `.engine`
 
 # %% ../nbs/06_server.ipynb #35a96bc7
 log = logging.getLogger("mini_infer.server")
@@ -115,9 +116,7 @@ def sampling_params(req: _GenerationRequest, max_tokens: int, logprobs: int | No
     "The engine's SamplingParams for one choice; a range error becomes a 400 naming the parameter."
     kw = {k: getattr(req, k) for k in _SAMPLING_FIELDS if getattr(req, k) is not None}
     try: return SamplingParams(**kw, max_tokens=max_tokens, stop=req.stop, seed=seed, ignore_eos=req.ignore_eos, logprobs=logprobs)
-    except (ValueError, TypeError) as e:
-        param = next((f for f in (*_SAMPLING_FIELDS, "max_tokens", "stop", "seed", "logprobs") if f in str(e)), None)
-        raise APIError(400, str(e), param=param) from None
+    except InvalidRequest as e: raise APIError(400, str(e), param=e.param) from None
 
 # %% ../nbs/06_server.ipynb #1b84cbb8
 class Histogram:
@@ -284,9 +283,6 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def sse(obj) -> str: return f"data: {json.dumps(obj) if not isinstance(obj, str) else obj}\n\n"
 
 # %% ../nbs/06_server.ipynb #4f0df301
-def _max_model_len(llm) -> int:
-    return getattr(llm.engine, "max_model_len", None) or llm.model.config.max_position_embeddings
-
 async def _read_body(request: Request, limit: int) -> bytes:
     "The request body, or 413 once it exceeds `limit` bytes (by Content-Length or by what actually arrives)."
     cl = request.headers.get("content-length")
@@ -320,7 +316,7 @@ class Generation:
         self.base = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": int(time.time()), "model": model}
 
-    async def submit(self, prompts: list[list[int]], params: list[SamplingParams], max_waiting: int):
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams], max_waiting: int, prompt_param: str = "prompt"):
         "Add one engine request per (prompt, params) and wait until the engine took them: 429 if the queue is full, 400 if it refuses."
         if self.engine.num_waiting() + len(prompts) > max_waiting:
             raise APIError(429, f"Too many requests waiting ({self.engine.num_waiting()}); retry later", "rate_limit_error", code="queue_full")
@@ -328,7 +324,9 @@ class Generation:
         for i, (p, sp) in enumerate(zip(prompts, params)):
             rid, fut = self.engine.add(p, sp, self.sink, tag=i); self.rids.append(rid); futs.append(fut)
         try: await asyncio.gather(*futs)
-        except ValueError as e: self.abort(); raise APIError(400, str(e), param="prompt") from None
+        except InvalidRequest as e:   # the engine's own checks: an empty prompt, token ids outside the vocabulary, too long
+            self.abort()
+            raise APIError(400, str(e), param=prompt_param if e.param == "prompt" else e.param, code=e.code) from None
         except BaseException: self.abort(); raise
 
     def abort(self):
@@ -391,7 +389,7 @@ def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = Non
               max_waiting: int = 1024, max_body_bytes: int = 2 * 2**20) -> FastAPI:
     "An OpenAI-compatible FastAPI app serving `llm` (its engine is driven by an `AsyncEngine` thread)."
     model_name = model_name or llm.model_name
-    engine, tok, ctx = AsyncEngine(llm.engine), llm.tokenizer, _max_model_len(llm)
+    engine, tok, ctx = AsyncEngine(llm.engine), llm.tokenizer, llm.engine.max_model_len
     created = int(time.time())
 
     async def lifespan(app):
@@ -427,23 +425,18 @@ def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = Non
                            param="model", code="model_not_found")
         return req
 
-    def check_prompt(ids: list[int], max_tokens: int | None, param: str) -> int:
-        "Check a prompt fits the context; return the max_tokens to use (default: the rest of the context)."
-        if not ids: raise APIError(400, "The prompt is empty", param=param)
-        if any(not 0 <= i < tok.vocab_size for i in ids): raise APIError(400, f"Token ids must be in [0, {tok.vocab_size})", param=param)
-        if len(ids) >= ctx:
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens; the prompt has {len(ids)}",
-                           param=param, code="context_length_exceeded")
-        if max_tokens is not None and len(ids) + max_tokens > ctx:
+    def completion_budget(ids: list[int], max_tokens: int | None) -> int:
+        "OpenAI's rule: a prompt that fits must leave room for `max_tokens`; by default it gets the rest of the context."
+        if max_tokens is not None and len(ids) < ctx < len(ids) + max_tokens:
             raise APIError(400, f"This model's maximum context length is {ctx} tokens; you asked for {len(ids)} prompt + "
                            f"{max_tokens} completion tokens", param="max_tokens", code="context_length_exceeded")
-        return ctx - len(ids) if max_tokens is None else max_tokens
+        return max(1, ctx - len(ids)) if max_tokens is None else max_tokens   # (a prompt that does not fit: the engine says so)
 
-    def expand(req, prompt_ids: list[list[int]], max_tokens, logprobs, param):
+    def expand(req, prompt_ids: list[list[int]], max_tokens, logprobs):
         "n choices per prompt: repeated prompts and per-choice params (seed+i when seeded)."
         prompts, params = [], []
         for ids in prompt_ids:
-            mt = check_prompt(ids, max_tokens, param)
+            mt = completion_budget(ids, max_tokens)
             for i in range(req.n):
                 prompts.append(ids)
                 params.append(sampling_params(req, mt, logprobs, None if req.seed is None else req.seed + i))
@@ -451,9 +444,9 @@ def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = Non
 
     async def generate(request, req, prompt_ids, max_tokens, logprobs, param, kind):
         "Shared body of both endpoints; `kind` is 'chat' or 'completion'."
-        prompts, params = expand(req, prompt_ids, max_tokens, logprobs, param)
+        prompts, params = expand(req, prompt_ids, max_tokens, logprobs)
         gen = Generation(engine, kind, model_name, tok, logprobs, sum(len(p) for p in prompt_ids))
-        await gen.submit(prompts, params, max_waiting)
+        await gen.submit(prompts, params, max_waiting, param)
         if not req.stream: return await gen.collect(request)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(gen.stream(include_usage), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -471,10 +464,7 @@ def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = Non
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await read(request, CompletionRequest)
-        p = req.prompt
-        if isinstance(p, str): prompts = [p]
-        elif p and isinstance(p[0], int): prompts = [p]
-        else: prompts = list(p)
+        prompts = as_prompt_list(req.prompt)
         if not prompts: raise APIError(400, "The prompt is empty", param="prompt")
         ids = [tok.encode(x) if isinstance(x, str) else list(x) for x in prompts]
         return await generate(request, req, ids, 16 if req.max_tokens is None else req.max_tokens, req.logprobs, "prompt", "completion")
@@ -498,16 +488,17 @@ def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = Non
 def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None, kv_cache_memory_gb: float | None = None,
           gpu_memory_utilization: float | None = None, dtype: str | None = None, device: str | None = None,
-          max_waiting: int = 1024, max_body_bytes: int = 2 * 2**20, served_model_name: str | None = None, log_level: str = "info"):
+          max_waiting: int = 1024, max_body_bytes: int = 2 * 2**20, served_model_name: str | None = None, log_level: str = "info",
+          backend: str = "auto"):
     "Load `model` and serve it with an OpenAI-compatible API on http://host:port/v1 (API key from the argument or MINI_INFER_API_KEY)."
     api_key = api_key or os.environ.get("MINI_INFER_API_KEY") or None
     engine_kwargs = {k: v for k, v in dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                      kv_cache_memory_gb=kv_cache_memory_gb, gpu_memory_utilization=gpu_memory_utilization).items() if v is not None}
-    llm = LLM(model, device=device, dtype=dtype, **engine_kwargs)
+    llm = LLM(model, device=device, dtype=dtype, backend=backend, **engine_kwargs)
     app = build_app(llm, model_name=served_model_name, api_key=api_key, max_waiting=max_waiting, max_body_bytes=max_body_bytes)
     st = app.state.engine.stats
     print(f"mini-infer: loaded {app.state.model_name} on {llm.model.device} ({llm.model.dtype}), "
-          f"{st.get('kv_blocks_total', '?')} KV blocks, context {_max_model_len(llm)}", flush=True)
+          f"{st.get('kv_blocks_total', '?')} KV blocks, context {llm.engine.max_model_len}", flush=True)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"mini-infer: WARNING: listening on {host} without an API key (set --api-key or MINI_INFER_API_KEY)", flush=True)
     print(f"mini-infer: serving at http://{host}:{port}/v1 (API key {'required' if api_key else 'off'})", flush=True)

@@ -31,7 +31,7 @@ def test_to_transformers_matches_our_logits(arch):
     for p in ours.parameters(): torch.nn.init.normal_(p, std=0.1)
     hf = to_transformers(ours)
     ids = torch.randint(0, 256, (10,))
-    expect = ours(ids, torch.arange(10), ContiguousKVCache(cfg, 10).prepare(0, 10))
+    expect = ours(ids, torch.arange(10), ContiguousKVCache(cfg, 10), 0)
     with torch.no_grad(): got = hf(ids[None]).logits[0]
     torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-4)
 

@@ -1,30 +1,100 @@
-"Chapter 7's CPU kernels: against transformers on Qwen2 (q/k/v bias) and Llama, repacking after weight changes, rejected input."
-import copy
+"""Chapter 7's CPU kernels: the build and its fallbacks, the matrix kernels against transformers on Qwen2 (q/k/v bias)
+and Llama, the paged-attention kernels against chapter 2's PyTorch, repacking after weight changes, rejected input."""
+import copy, os, shutil, subprocess, sys, textwrap
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from mini_infer.cpu_kernels import (cpu_kernels, pack_weight, pack_glu, linear_packed, linear_glu_packed, PackedLinear, KernelApplyRope,
-                                    KernelRMSNorm, use_cpu_kernels)
-from mini_infer.model import ApplyRope, RotaryEmbedding, ModelConfig
+                                    KernelRMSNorm, KernelAttention, KernelMLP, with_cpu_kernels, packed_bytes, CPUAttention, CPUBackend,
+                                    cpu_attention_kernels, paged_decode_kernel, paged_prefill_kernel, pool_zeros, native_target)
+from mini_infer.model import ApplyRope, RotaryEmbedding, ModelConfig, MLP, causal_attention
 from mini_infer.loader import load_safetensors
+from mini_infer.kv_cache import PagedKVCache
+from mini_infer.paged_attention import TorchAttention
+from mini_infer.teaching import random_paged_step, attention_by_row
 from test_loader import tiny_hf, our_logits
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C compiler for the CPU kernels")
+
+
+def attn_cfg(n_q=9, n_kv=3, d=64, layers=1):
+    return ModelConfig(vocab_size=8, hidden_size=n_q * d, intermediate_size=8, num_hidden_layers=layers,
+                       num_attention_heads=n_q, num_key_value_heads=n_kv, head_dim=d)
+
+
+# ---------------------------------------------------------------- the build and its fallbacks
+def _fresh_process(code: str, tmp_path, **env) -> subprocess.CompletedProcess:
+    "Run `code` in a new Python (nothing built or cached yet) with its own kernel cache folder."
+    env = {**os.environ, "MINI_INFER_CACHE": str(tmp_path / "cache"), "PYTHONWARNINGS": "always", **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=300)
+
+CHECK = """
+    import torch
+    from mini_infer.cpu_kernels import cpu_kernels, cpu_attention_kernels
+    from mini_infer.engine import load_backend
+    print("kernels", cpu_kernels() is not None, cpu_attention_kernels() is not None)
+    print("auto backend", type(load_backend("auto", "cpu", torch.float32)).__name__)
+"""
+
+def test_no_compiler_falls_back_to_pytorch_with_a_warning(tmp_path):
+    r = _fresh_process(CHECK, tmp_path, CC="false")
+    assert r.returncode == 0, r.stderr
+    assert "kernels False False" in r.stdout and "auto backend TorchBackend" in r.stdout
+    assert "unavailable, PyTorch's path is used instead" in r.stderr
+
+def test_off_switch(tmp_path):
+    r = _fresh_process(CHECK, tmp_path, MINI_INFER_NO_KERNELS="1")
+    assert r.returncode == 0 and "kernels False False" in r.stdout and "auto backend TorchBackend" in r.stdout, r.stderr
+
+def test_failed_build_shows_the_compiler_error(tmp_path):
+    from mini_infer.cpu_kernels import load_library
+    os.environ["MINI_INFER_CACHE"], old = str(tmp_path / "cache"), os.environ.get("MINI_INFER_CACHE")
+    try:
+        with pytest.warns(UserWarning, match="(?s)unavailable.*error.*not_a_type"):
+            assert load_library("not_a_type f(void) { return 0; }", "broken", {}) is None
+    finally:
+        if old is None: del os.environ["MINI_INFER_CACHE"]
+        else: os.environ["MINI_INFER_CACHE"] = old
+
+def test_without_openmp_the_kernels_run_single_threaded(tmp_path):
+    "A compiler without OpenMP (Apple's clang): the kernels still build, without -fopenmp, with a warning saying so."
+    cc = tmp_path / "cc-no-openmp"
+    cc.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && {{ echo "unsupported option -fopenmp" >&2; exit 1; }}; done\nexec {shutil.which("cc")} "$@"\n')
+    cc.chmod(0o755)
+    r = _fresh_process(CHECK, tmp_path, CC=str(cc))
+    assert r.returncode == 0 and "kernels True True" in r.stdout and "auto backend CPUBackend" in r.stdout, r.stderr
+    assert "built without OpenMP: they run on one thread" in r.stderr and "unsupported option -fopenmp" in r.stderr
+
+def test_the_cache_key_follows_the_cpu(tmp_path, monkeypatch):
+    "A library built for one CPU is never loaded on another: the file name hashes what -march=native means here."
+    import mini_infer.cpu_kernels as ck
+    monkeypatch.setenv("MINI_INFER_CACHE", str(tmp_path / "cache"))
+    here = ck.compile_library("int f(void) { return 1; }", ["-O1", "-shared", "-fPIC"], "key")
+    assert "__x86_64__" in native_target(os.environ.get("CC", "cc")) or "__aarch64__" in native_target(os.environ.get("CC", "cc"))
+    monkeypatch.setattr(ck, "native_target", lambda cc: "#define __AVX512F__ 1")   # another machine
+    there = ck.compile_library("int f(void) { return 1; }", ["-O1", "-shared", "-fPIC"], "key")
+    assert here != there and here.exists() and there.exists()
 
 @pytest.mark.parametrize("arch,heads,kv,tied", [("qwen2", 4, 2, True), ("qwen2", 4, 1, False), ("llama", 6, 2, True)])
 def test_kernel_model_matches_transformers(tmp_path, arch, heads, kv, tied):
     hf = tiny_hf(arch, heads, kv, tied)
     hf.save_pretrained(tmp_path)
     model = load_safetensors(tmp_path, "cpu", torch.float32)
-    plain = copy.deepcopy(model)
-    n_linear = sum(type(m) is nn.Linear for m in model.modules())
-    assert use_cpu_kernels(model) == n_linear + 5 * model.config.num_hidden_layers + 1   # linears; 2 norms, RoPE, attention and MLP a layer; final norm
+    fast = with_cpu_kernels(model)
+    L = model.config.num_hidden_layers
+    kinds = [type(m) for m in fast.modules()]
+    assert (kinds.count(PackedLinear), kinds.count(KernelAttention), kinds.count(KernelMLP), kinds.count(KernelRMSNorm)) == (2 * L + 1, L, L, 2 * L + 1)
+    assert not any(type(m).__module__.endswith("cpu_kernels") for m in model.modules())    # the model given is untouched...
+    assert all(a is b for a, b in zip(fast.parameters(), model.parameters()))              # ...and shares its parameters
+    assert (fast.lm_head.weight is fast.model.embed_tokens.weight) == tied
+    linear_bytes = 4 * sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    assert linear_bytes <= packed_bytes(fast) < 1.5 * linear_bytes    # every linear packed once, plus panel padding
     ids = torch.randint(0, 101, (23,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(): ref = hf(ids[None]).logits[0]
-    ours = our_logits(model, ids)
+    ours = our_logits(fast, ids)
     assert (ours - ref).abs().max().item() <= 1e-4
-    assert (ours - our_logits(plain, ids)).abs().max().item() <= 1e-4
+    assert (ours - our_logits(model, ids)).abs().max().item() <= 1e-4
 
 def test_repacks_after_load_state_dict():
     lin = nn.Linear(40, 70)   # 70 outputs: a partial last panel
@@ -98,16 +168,15 @@ def test_kernel_model_repacks_after_load_state_dict(tmp_path):
     hf = tiny_hf("qwen2", 4, 2, False)
     hf.save_pretrained(tmp_path)
     model = load_safetensors(tmp_path, "cpu", torch.float32)
-    plain = copy.deepcopy(model)
-    use_cpu_kernels(model)
+    fast = with_cpu_kernels(model)
     ids = torch.randint(0, 101, (9,), generator=torch.Generator().manual_seed(2))
-    before = our_logits(model, ids)
+    before = our_logits(fast, ids)
     g = torch.Generator().manual_seed(3)
-    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in plain.state_dict().items()}
-    model.load_state_dict(new); plain.load_state_dict(new)
-    after = our_logits(model, ids)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+    model.load_state_dict(new)                      # in place, into the parameters both share
+    after = our_logits(fast, ids)
     assert (after - before).abs().max() > 1e-2
-    assert (after - our_logits(plain, ids)).abs().max().item() <= 1e-4
+    assert (after - our_logits(model, ids)).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("M,N", [(1, 576), (300, 576), (7, 33), (2, 8), (130, 1536)])
@@ -131,3 +200,105 @@ def test_rope_kernel_matches_pytorch(T, H, D):
     assert not torch.equal(got, x)
     xb = x.bfloat16()   # other dtypes take PyTorch's path
     assert torch.equal(KernelApplyRope()(xb, cos.bfloat16(), sin.bfloat16()), ApplyRope()(xb, cos.bfloat16(), sin.bfloat16()))
+
+
+# ---------------------------------------------------------------- paged attention in C
+@pytest.mark.parametrize("seed,block_size,heads", [(0, 16, (9, 3)), (1, 4, (4, 1)), (2, 1, (6, 6)), (3, 7, (8, 2)), (4, 16, (2, 2))])
+def test_cpu_attention_matches_contiguous(seed, block_size, heads):
+    cfg = attn_cfg(*heads, d=32, layers=2)
+    cache, rows, q, k, v, fk, fv = random_paged_step(cfg, 11, block_size, (1, 70), chunk_rows=(1, 4, 8), seed=seed, backend=CPUAttention())
+    step = cache.make_step(rows)
+    for layer in range(2):
+        torch.testing.assert_close(cache.attend(layer, q, k, v, step), attention_by_row(q, fk, fv, rows), atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_attention_where_it_applies():
+    assert CPUAttention.supports("cpu", torch.float32) and CPUAttention.supports("cpu", torch.bfloat16)
+    assert not CPUAttention.supports("cpu", torch.float16) and not CPUAttention.supports("meta", torch.float32)
+    assert CPUBackend.available("cpu", torch.float32) and not CPUBackend.available("cpu", torch.float16)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_decode_kernel_rows_in_any_order(seed):
+    "Rows in a shuffled order, reading tables wider than they need."
+    cfg = attn_cfg(9, 3, 64)
+    cache, rows, q, k, v, fk, fv = random_paged_step(cfg, 24, 16, (1, 300), seed=seed)
+    step = cache.make_step(rows)
+    kp, vp = cache.k[0], cache.v[0]
+    kp.view(-1, 3, 64)[step.slot_mapping] = k; vp.view(-1, 3, 64)[step.slot_mapping] = v
+    perm = torch.randperm(24, generator=torch.Generator().manual_seed(seed))
+    out = torch.full_like(q, float("nan"))
+    paged_decode_kernel(q, kp, vp, out, perm, step.block_tables[perm].contiguous(), step.context_lens[perm].contiguous())
+    torch.testing.assert_close(out, attention_by_row(q, fk, fv, rows), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_kernel_rejects_bad_input():
+    cache = PagedKVCache(attn_cfg(4, 2, 16), 4, 4, backend=CPUAttention())
+    q = torch.zeros(1, 4, 16)
+    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+        paged_decode_kernel(q, cache.k[0], cache.v[0], q.clone(), torch.tensor([0], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
+    with pytest.raises(ValueError, match="all float32 or all bfloat16"):
+        paged_decode_kernel(q.bfloat16(), cache.k[0], cache.v[0], q.clone(), torch.tensor([0]), torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
+
+
+@pytest.mark.parametrize("heads,d,block_size", [((9, 3), 64, 16), ((14, 2), 64, 16), ((4, 4), 128, 5), ((6, 2), 80, 16), ((3, 1), 24, 1)])
+def test_prefill_kernel_long_prompts(heads, d, block_size):
+    "Prompt chunks longer than the kernel's 32-token tiles, some continuing earlier context, GQA groups of 1 to 7, head sizes that are not multiples of 16."
+    cfg = attn_cfg(*heads, d=d)
+    cache, rows, q, k, v, fk, fv = random_paged_step(cfg, 5, block_size, (40, 300), chunk_rows=range(5), seed=11, backend=CPUAttention())
+    assert max(len(t) for t, *_ in rows) > 64 and any(start > 0 for _, start, *_ in rows)
+    torch.testing.assert_close(cache.attend(0, q, k, v, cache.make_step(rows)), attention_by_row(q, fk, fv, rows), atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_kernel_result_does_not_depend_on_chunking():
+    "A token's attention is the same bits whether its prompt runs in one chunk or in several, and whatever else shares the call."
+    g = torch.Generator().manual_seed(0)
+    B, n, (Hq, Hkv, D) = 16, 150, (9, 3, 64)
+    kp, vp = torch.randn(20, B, Hkv, D, generator=g), torch.randn(20, B, Hkv, D, generator=g)
+    q = torch.randn(n, Hq, D, generator=g)
+    table = torch.randperm(20, generator=g)[:-(-n // B)][None]
+    def run(chunks):
+        out, t = torch.empty_like(q), 0
+        for c in chunks:
+            paged_prefill_kernel(q, kp, vp, out, torch.tensor([[t, c, t + c]]), table); t += c
+        return out
+    whole = run([n])
+    for chunks in ([40, 70, 40], [2, 33, 115], [31] * 4 + [26]):
+        assert torch.equal(run(chunks), whole)
+    both = torch.empty_like(q)   # two chunks in one call: the same again
+    paged_prefill_kernel(q, kp, vp, both, torch.tensor([[0, 70, 70], [70, 80, 150]]), table.expand(2, -1).contiguous())
+    assert torch.equal(both, whole)
+
+
+def test_prefill_kernel_rejects_bad_rows():
+    q, pool, table = torch.zeros(10, 4, 16), torch.zeros(4, 4, 2, 16), torch.zeros(1, 4, dtype=torch.long)
+    for bad in ([0, 11, 11], [0, 0, 5], [0, 5, 3], [0, 5, 17], [-1, 5, 5], [6, 5, 5]):   # past q, empty, n > ctx, past the table, t0 < 0, t0 + n > T
+        with pytest.raises(ValueError, match="seqs"):
+            paged_prefill_kernel(q, pool, pool.clone(), q.clone(), torch.tensor([bad]), table)
+    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+        paged_prefill_kernel(q, pool, pool.clone(), q.clone(), torch.tensor([[0, 5, 5]], dtype=torch.int32), table)
+
+
+@pytest.mark.parametrize("seed,chunk_rows", [(0, ()), (1, ()), (2, ()), (5, range(4))])
+def test_bfloat16_kernels_equal_float32_attention_of_the_same_numbers(seed, chunk_rows):
+    "A bfloat16 pool: the kernels read 16-bit K/V and compute in float32, so they match float32 attention over the same (rounded) values to bfloat16 output precision."
+    cfg = attn_cfg(9, 3, 64)
+    n = 4 if chunk_rows else 24
+    cache, rows, q, k, v, fk, fv = random_paged_step(cfg, n, 16, (40, 200), chunk_rows=chunk_rows, seed=seed, dtype=torch.bfloat16, backend=CPUAttention())
+    got = cache.attend(0, q, k, v, cache.make_step(rows))
+    assert got.dtype == torch.bfloat16
+    want = attention_by_row(q.float(), [t.float() for t in fk], [t.float() for t in fv], rows)
+    assert (got.float() - want).abs().max() <= 2 ** -7 * want.abs().max()
+
+
+def test_pool_zeros():
+    "The pool's memory: zeros of the asked shape and dtype, 2 MB aligned where huge pages can be asked for, alive as long as the tensor."
+    import gc, mmap
+    for dtype in (torch.float32, torch.bfloat16):
+        t = pool_zeros((2, 300, 16, 3, 64), dtype)
+        gc.collect()
+        assert t.shape == (2, 300, 16, 3, 64) and t.dtype == dtype and t.is_contiguous() and not t.any()
+        if hasattr(mmap, "MADV_HUGEPAGE"): assert t.data_ptr() % (2 << 20) == 0
+        t[1, -1] = 1
+        assert t.sum() == 16 * 3 * 64
+    if hasattr(mmap, "MADV_HUGEPAGE"): assert PagedKVCache(attn_cfg(), 10, 4, backend=CPUAttention()).k.data_ptr() % (2 << 20) == 0

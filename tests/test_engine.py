@@ -1,14 +1,16 @@
 """Engine equivalence and robustness: batched == alone (chapter 1's sequential path is the oracle), chunked == unchunked,
 preempted == not, seeded sampling independent of the batch, stop strings, aborts, bad input, no leaked blocks."""
-import random
+import gc, random, weakref
 import pytest, torch
-from mini_infer.engine import LLM, LLMEngine, run_to_completion
+from mini_infer.engine import LLMEngine, InvalidRequest
+from mini_infer.llm import LLM, run_to_completion
+from mini_infer.reference import generate
 from mini_infer.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("smollm2-135m")
+    return LLM("smollm2-135m", kv_cache_memory_gb=0.25)
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +25,11 @@ def workload():
 def alone(llm, workload):
     "Each request run alone through chapter 1's contiguous-cache loop: the oracle."
     prompts, params = workload
-    return [llm._generate_one(str(i), p, sp).token_ids for i, (p, sp) in enumerate(zip(prompts, params))]
+    return [o.token_ids for o in generate(llm.model, llm.tokenizer, prompts, params)]
 
 
 def engine(llm, **kw):
-    return LLMEngine(llm.model, llm.tokenizer, **kw)
+    return LLMEngine(llm.model, llm.tokenizer, **{"kv_cache_memory_gb": 0.25, **kw})
 
 
 @pytest.mark.parametrize("kw", [
@@ -97,10 +99,19 @@ def test_abort_frees_blocks(llm, workload):
 
 def test_bad_input_rejected_before_taking_blocks(llm):
     eng = engine(llm, num_blocks=4, block_size=8)
-    with pytest.raises(ValueError, match="prompt"): eng.add_request([5] * 40, SamplingParams())       # longer than the pool
-    with pytest.raises(ValueError, match="empty"): eng.add_request([], SamplingParams())
-    with pytest.raises(ValueError, match="max_tokens"): eng.add_request([5, 6], SamplingParams(max_tokens=0))
-    with pytest.raises(ValueError, match="token ids"): eng.add_request([10**7], SamplingParams())
+    def rejects(param, code=None, **match):
+        return pytest.raises(InvalidRequest, **match), param, code
+    for call, (ctx, param, code) in [
+            (lambda: eng.add_request([5] * 40, SamplingParams()), rejects("prompt", "context_length_exceeded", match="prompt")),  # longer than the pool
+            (lambda: eng.add_request([], SamplingParams()), rejects("prompt", match="empty")),
+            (lambda: eng.add_request([5, 6], SamplingParams(max_tokens=0)), rejects("max_tokens", match="max_tokens")),
+            (lambda: eng.add_request([10**7], SamplingParams()), rejects("prompt", match="token ids")),
+            (lambda: eng.add_request([5], {"max_tokens": 3}), rejects(None, match="SamplingParams"))]:
+        with ctx as e: call()
+        assert (e.value.param, e.value.code) == (param, code)
+    rid = eng.add_request([5], SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequest, match="already in use"): eng.add_request([5], request_id=rid)
+    eng.abort(rid); eng.step()
     big = engine(llm)
     with pytest.raises(ValueError, match="context"): big.add_request([5] * (llm.model.config.max_position_embeddings + 1))
     assert eng.allocator.num_free == 4 and not eng.has_unfinished()
@@ -114,7 +125,7 @@ def test_llm_generate_runs_on_engine(llm):
     params = [SamplingParams(temperature=0, max_tokens=6), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=12, stop=["\n\n"])]
     outs = llm.generate(prompts, params)
-    refs = [llm._generate_one(str(i), llm.encode(p), sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    refs = generate(llm.model, llm.tokenizer, prompts, params)
     assert [(o.token_ids, o.text, o.finish_reason) for o in outs] == [(r.token_ids, r.text, r.finish_reason) for r in refs]
     assert outs[0].text and outs[1].finish_reason == "length" and len(outs[1].token_ids) == 4
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
@@ -140,3 +151,39 @@ def test_text_held_back_at_max_tokens_is_released(llm):
     while eng.has_unfinished():
         for o in eng.step(): deltas.append(o.text_delta); last = o
     assert "".join(deltas) == full.text and last.finished and last.finish_reason == "length"
+
+
+def test_engine_leaves_its_model_alone_and_frees_its_pool(llm):
+    "The engine runs its backend's model (a copy with chapter 7's kernels here) and never changes the one it was given; deleting it frees its pool."
+    from mini_infer.loader import load_model
+    model, tok = load_model("smollm2-135m")
+    before = [type(m) for m in model.modules()]
+    eng = LLMEngine(model, tok, kv_cache_memory_gb=0.05)
+    assert [type(m) for m in model.modules()] == before
+    if eng.model is model: assert eng.memory.extra_bytes == 0 and "packed" not in eng.memory.table()
+    else: assert 0.9 < eng.memory.extra_bytes / eng.memory.weights_bytes < 1.1 and "packed weights" in eng.memory.table()   # a second copy
+    pool = weakref.ref(eng.cache.k)
+    run_to_completion(eng, [[1, 2, 3]], [SamplingParams(max_tokens=2)])
+    del eng; gc.collect()
+    assert pool() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_engine_equals_its_reference(dtype):
+    "Half types on the CPU: greedy tokens batched through the engine equal chapter 1's loop in the same dtype (tiny random Qwen2)."
+    from mini_infer.model import CausalLM, ModelConfig
+    cfg = ModelConfig(vocab_size=151, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, architecture="Qwen2ForCausalLM", attention_bias=True, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = CausalLM(cfg).to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters(): p.mul_(4)     # bigger weights than the random init: decisive argmaxes
+    class NoText:
+        eos_token_ids = []
+        def decode(self, ids, skip_special_tokens=True): return ""
+    prompts = [torch.randint(0, 151, (n,)).tolist() for n in (3, 17, 40, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 4
+    ref = [o.token_ids for o in generate(model, NoText(), prompts, params)]
+    for kw in (dict(), dict(max_num_batched_tokens=16, max_prefill_chunk=8)):
+        eng = LLMEngine(model, NoText(), num_blocks=64, block_size=4, **kw)
+        assert [o.token_ids for o in run_to_completion(eng, prompts, params)] == ref

@@ -91,7 +91,7 @@ def test_synthetic_gguf_matches_transformers(tmp_path, arch, tied):
         assert tok.decode(ids, skip_special_tokens=False) == text
     ids = tok.encode(" ".join(TEXTS))
     with torch.no_grad(): ref = hf(torch.tensor([ids])).logits[0]
-    got = ours(torch.tensor(ids), torch.arange(len(ids)), ContiguousKVCache(ours.config, len(ids)).prepare(0, len(ids)))
+    got = ours(torch.tensor(ids), torch.arange(len(ids)), ContiguousKVCache(ours.config, len(ids)), 0)
     assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
 
 

@@ -23,7 +23,7 @@ def cache_dir(tmp_path_factory):
 
 def our_logits(model, ids):
     ids = torch.as_tensor(ids)
-    return model(ids, torch.arange(len(ids)), ContiguousKVCache(model.config, len(ids), dtype=model.dtype).prepare(0, len(ids)))
+    return model(ids, torch.arange(len(ids)), ContiguousKVCache(model.config, len(ids), dtype=model.dtype), 0)
 
 
 def tiny_hf(arch, heads, kv, tied, seed=0):
@@ -98,12 +98,12 @@ def gguf_pair():
 
 def greedy(model, ids, n):
     cache = ContiguousKVCache(model.config, len(ids) + n)
-    logits = model(torch.tensor(ids), torch.arange(len(ids)), cache.prepare(0, len(ids)), logits_indices=torch.tensor([len(ids) - 1]))
+    logits = model(torch.tensor(ids), torch.arange(len(ids)), cache, 0, logits_indices=torch.tensor([len(ids) - 1]))
     out = []
     for _ in range(n):
         out.append(int(logits[-1].argmax()))
         pos = len(ids) + len(out) - 1
-        logits = model(torch.tensor(out[-1:]), torch.tensor([pos]), cache.prepare(pos, 1))
+        logits = model(torch.tensor(out[-1:]), torch.tensor([pos]), cache, pos)
     return out
 
 

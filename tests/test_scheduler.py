@@ -4,9 +4,15 @@ block comes back. Property-tested over random workloads (hypothesis)."""
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from mini_infer.paged_cache import BlockAllocator, BlockTable
+from mini_infer.block_manager import BlockAllocator
 from mini_infer.sampling import SamplingParams
 from mini_infer.scheduler import Scheduler, SchedulerConfig, Sequence, SeqStatus
+
+
+class CharTok:
+    "Token id = a character: the scheduler never looks at text."
+    eos_token_ids = []
+    def decode(self, ids, skip_special_tokens=True): return "".join(map(chr, ids))
 
 
 def run(prompt_lens, out_lens, num_blocks, block_size=4, max_steps=10_000, **cfg):
@@ -14,7 +20,7 @@ def run(prompt_lens, out_lens, num_blocks, block_size=4, max_steps=10_000, **cfg
     alloc = BlockAllocator(num_blocks)
     config = SchedulerConfig(**cfg)
     sched = Scheduler(config, alloc)
-    seqs = [Sequence(str(i), [1] * n, SamplingParams(max_tokens=m), BlockTable(block_size)) for i, (n, m) in enumerate(zip(prompt_lens, out_lens))]
+    seqs = [Sequence(str(i), [1] * n, SamplingParams(max_tokens=m), CharTok(), 10**6, block_size) for i, (n, m) in enumerate(zip(prompt_lens, out_lens))]
     for s in seqs: sched.add(s)
     steps = []
     while sched.has_unfinished():
@@ -24,10 +30,10 @@ def run(prompt_lens, out_lens, num_blocks, block_size=4, max_steps=10_000, **cfg
         steps.append((work, [s.request_id for s in step.preempted]))
         check_step(step, config, alloc, sched, block_size)
         for seq, n in step.work:
-            seq.num_computed += n
+            seq.num_computed_tokens += n
             if seq.num_pending == 0:
-                seq.output_ids.append(0)
-                if len(seq.output_ids) == seq.params.max_tokens: sched.finish(seq, "length")
+                seq.append(48)
+                if seq.finish_reason: sched.finish(seq)
     assert alloc.num_free == num_blocks and all(len(s.output_ids) == s.params.max_tokens for s in seqs)
     return steps
 
@@ -40,12 +46,12 @@ def check_step(step, config, alloc, sched, block_size):
     assert len({s.request_id for s, _ in step.work}) == len(step.work) <= config.max_num_seqs
     if config.enable_chunked_prefill or len(step.work) > 1: assert tokens <= config.max_num_batched_tokens
     if config.enable_chunked_prefill: assert all(n <= config.max_prefill_chunk for s, n in step.work)
-    else: assert all(s.num_computed == 0 and n == s.num_pending or d for (s, n), d in zip(step.work, decoding))
+    else: assert all(s.num_computed_tokens == 0 and n == s.num_pending or d for (s, n), d in zip(step.work, decoding))
     for s, n in step.work:   # every scheduled token has a slot in the sequence's blocks
-        assert s.status is SeqStatus.RUNNING and s.block_table.num_tokens == s.num_computed + n
-        assert len(s.block_table.blocks) == -(-(s.num_computed + n) // block_size)
+        assert s.status is SeqStatus.RUNNING and s.block_table.num_tokens == s.num_computed_tokens + n
+        assert len(s.block_table.blocks) == -(-(s.num_computed_tokens + n) // block_size)
     for s in step.preempted:
-        assert s.status is SeqStatus.PREEMPTED and s.num_computed == 0 and s.block_table.blocks == [] and s in sched.waiting
+        assert s.status is SeqStatus.PREEMPTED and s.num_computed_tokens == 0 and s.block_table.blocks == [] and s in sched.waiting
     held = sum(len(s.block_table.blocks) for s in sched.running)
     assert held == alloc.num_used <= alloc.num_blocks
 
@@ -88,3 +94,27 @@ def test_random_workloads_finish_within_the_rules(reqs, budget, chunk, seats, ch
     num_blocks = -(-longest // block_size) + 2                       # room for the longest request, little more
     run([n for n, _ in reqs], [m for _, m in reqs], num_blocks, block_size, max_num_batched_tokens=budget,
         max_prefill_chunk=chunk, max_num_seqs=seats, enable_chunked_prefill=chunked)
+
+
+def test_proposed_tokens_are_scheduled_with_the_decode_within_the_budget():
+    "A decoding sequence with k proposed tokens runs 1 + k tokens in one step; the budget trims the proposals, never the decode."
+    alloc = BlockAllocator(32)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=4), alloc)
+    a, b = (Sequence(x, [1, 2, 3], SamplingParams(max_tokens=9), CharTok(), 10**6, 4) for x in "ab")
+    for s in (a, b): sched.add(s)
+    for seq, n in sched.schedule().work: seq.num_computed_tokens += n      # a's prompt (3) and one token of b's
+    a.append(50); a.spec_token_ids = [51, 52, 53, 54]
+    work = sched.schedule().work
+    assert [(s.request_id, n) for s, n in work] == [("a", 4)] and a.spec_token_ids == [51, 52, 53]   # 1 + 3 fill the budget of 4
+    assert a.token_slice(3, 4) == [50, 51, 52, 53] and a.block_table.num_tokens == 7
+
+
+def test_truncate_rolls_back_computed_tokens_and_blocks():
+    alloc = BlockAllocator(8)
+    s = Sequence("a", list(range(10)), SamplingParams(max_tokens=4), CharTok(), 10**6, 4)
+    assert s.block_table.append(10, alloc)
+    s.num_computed_tokens = 10
+    s.truncate(5, alloc)
+    assert (s.num_computed_tokens, s.block_table.num_tokens, len(s.block_table.blocks), alloc.num_used) == (5, 5, 2, 2)
+    s.truncate(0, alloc)
+    assert (s.num_computed_tokens, s.block_table.blocks, alloc.num_used) == (0, [], 0)

@@ -9,7 +9,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mini_infer.llm import LLM
 from mini_infer.sampling import SamplingParams
-import mini_infer.engine  # noqa: F401  (LLM.generate on the batching engine)
 
 MODEL = "smollm2-135m"
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -304,10 +303,12 @@ def test_idle_server_does_not_spin(server):
 def test_bench_serve(server, tmp_path):
     from mini_infer.bench_serve import run_bench_serve
     s = run_bench_serve(server, None, num_prompts=4, input_len=8, output_len=4, request_rate=50.0, slo_ttft_ms=60_000,
-                        save_json=str(tmp_path / "b.json"), quiet=True)
+                        save_json=str(tmp_path / "b.json"), quiet=True, ignore_eos=True)
     assert (s["completed"], s["errors"], s["timeouts"]) == (4, 0, 0) and s["mean_output_tokens"] == 4
     assert s["goodput"] == s["request_throughput"] and s["ttft_ms"]["p50"] > 0 and s["tpot_ms"]["p99"] >= s["tpot_ms"]["p50"]
     assert json.loads((tmp_path / "b.json").read_text())["completed"] == 4
+    plain = run_bench_serve(server, None, num_prompts=2, input_len=8, output_len=4, quiet=True)   # ignore_eos is opt-in
+    assert (plain["completed"], plain["errors"]) == (2, 0) and plain["mean_output_tokens"] <= 4
 
 
 def test_metrics(server):
