@@ -649,7 +649,8 @@ class CPUAttention(AttentionBackend):
                           torch.tensor(seqs, dtype=torch.long).view(-1, 3), bt[nd:].contiguous())
 
     def store(self, k_pool, v_pool, k, v, step: StepInputs):
-        if k.dtype != k_pool.dtype or not (k.is_contiguous() and v.is_contiguous()) or k.shape != v.shape != (len(step.slot_mapping), *k_pool.shape[2:]):
+        rows = (len(step.slot_mapping), *k_pool.shape[2:])
+        if k.dtype != k_pool.dtype or v.dtype != v_pool.dtype or not (k.is_contiguous() and v.is_contiguous()) or k.shape != rows or v.shape != rows:
             return super().store(k_pool, v_pool, k, v, step)
         cpu_attention_kernels().store_kv(k.data_ptr(), v.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), step.slot_mapping.data_ptr(),
                                          len(k), k[0].numel() * k.element_size(), torch.get_num_threads())
