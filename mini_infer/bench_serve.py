@@ -5,7 +5,7 @@ __all__ = ['WORDS', 'random_prompts', 'load_prompts', 'RequestResult', 'stream_c
 
 # %% ../nbs/06_server.ipynb #4e8806ae
 import asyncio, json, math, random, time
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # %% ../nbs/06_server.ipynb #f61f0b1c

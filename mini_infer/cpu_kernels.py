@@ -589,7 +589,7 @@ def paged_decode_kernel(q, k_pool, v_pool, out, tok, block_tables, context_lens)
     """Decode attention for the rows whose query token is `q[tok[r]]` ([T, Hq, D], CPU, float32 or bfloat16), written to
     `out[tok[r]]`; `block_tables` [R, width] and `context_lens` [R] (int64) describe each row's context in the pool."""
     fn = _attention_library(q, k_pool, v_pool, out, [tok, block_tables, context_lens], "paged_decode")
-    (T, Hq, D), (_, B, Hkv, _) = q.shape, k_pool.shape
+    (_, Hq, D), (_, B, Hkv, _) = q.shape, k_pool.shape
     fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tok.data_ptr(), block_tables.data_ptr(),
        block_tables.shape[1], context_lens.data_ptr(), len(tok), Hq, Hkv, D, B, D ** -0.5, torch.get_num_threads())
     return out

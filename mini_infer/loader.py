@@ -5,7 +5,6 @@ __all__ = ['DEFAULT_MODEL', 'GGUF_ARCHITECTURES', 'GGUF_NAMES', 'GGUF_TYPES', 'A
 
 # %% ../nbs/01_model.ipynb #270cf006
 import hashlib, importlib.util, json, os, shutil, socket, struct, threading
-from collections import Counter
 from math import prod
 from pathlib import Path
 from urllib.parse import urlparse

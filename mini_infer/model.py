@@ -11,7 +11,7 @@ __all__ = ['SUPPORTED_ARCHITECTURES', 'ModelConfig', 'RMSNorm', 'rope_frequencie
 
 # %% ../nbs/01_model.ipynb #49913f75
 import json, math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 # %% ../nbs/01_model.ipynb #51fe4251

@@ -1,7 +1,7 @@
 """Copy notebooks with outputs stripped, for nbval (which rejects nbdev-cleaned notebooks), plus a conftest
 that skips cells flagged `#| gpu` when CUDA is absent and `#| slow` cells (as nbdev-test does).
 Usage: python tests/strip_notebooks.py SRC_DIR DEST_DIR"""
-import sys, shutil
+import sys
 from pathlib import Path
 import nbformat
 

@@ -1,17 +1,16 @@
 """Chapter 7's CPU kernels: the build and its fallbacks, the matrix kernels against transformers on Qwen2 (q/k/v bias)
 and Llama, the paged-attention kernels against chapter 2's PyTorch, repacking after weight changes, rejected input."""
-import copy, os, shutil, subprocess, sys, textwrap
+import os, shutil, subprocess, sys, textwrap
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from mini_infer.cpu_kernels import (cpu_kernels, pack_weight, pack_glu, linear_packed, linear_glu_packed, PackedLinear, KernelApplyRope,
                                     KernelRMSNorm, KernelAttention, KernelMLP, with_cpu_kernels, packed_bytes, CPUAttention, CPUBackend,
-                                    cpu_attention_kernels, paged_decode_kernel, paged_prefill_kernel, pool_zeros, native_target)
-from mini_infer.model import ApplyRope, RotaryEmbedding, ModelConfig, MLP, causal_attention
+                                    paged_decode_kernel, paged_prefill_kernel, pool_zeros, native_target)
+from mini_infer.model import ApplyRope, RotaryEmbedding, ModelConfig
 from mini_infer.loader import load_safetensors
 from mini_infer.kv_cache import PagedKVCache
-from mini_infer.paged_attention import TorchAttention
 from mini_infer.teaching import random_paged_step, attention_by_row
 from test_loader import tiny_hf, our_logits
 

@@ -7,7 +7,7 @@ import gguf
 from gguf import GGMLQuantizationType as T
 from mini_infer.loader import load_model
 from mini_infer.model import ContiguousKVCache
-from mini_infer.tokenizer import Tokenizer, _byte_alphabet
+from mini_infer.tokenizer import _byte_alphabet
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,5 +1,5 @@
 "Weight loading: safetensors checkpoints saved by transformers, the bundled GGUF against transformers' GGUF loading, bad input."
-import json, os, shutil, time
+import json, os, time
 import pytest
 import torch
 from mini_infer.model import ContiguousKVCache

@@ -7,7 +7,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from mini_infer.loader import load_model
-from mini_infer.model import CausalLM, ModelConfig, causal_attention
+from mini_infer.model import CausalLM, ModelConfig
 from mini_infer.block_manager import BlockAllocator, BlockTable
 from mini_infer.memory_plan import plan_memory, count_parameters, kv_bytes_per_token, info_table
 from mini_infer.paged_attention import TorchAttention, paged_attention_ref, paged_decode, paged_decode_flash

@@ -1,7 +1,6 @@
 """The scheduler on its own, with no model: every step's work respects the budget, the seats, the chunk size and the
 pool; decodes come first; preemption takes the newest request and frees its blocks; everything finishes and every
 block comes back. Property-tested over random workloads (hypothesis)."""
-import pytest
 from hypothesis import given, settings, strategies as st
 
 from mini_infer.block_manager import BlockAllocator
