@@ -26,15 +26,18 @@ class BlockAllocator:
     def num_free(self) -> int: return len(self.free_blocks)
 
     @property
-    def num_used(self) -> int: return self.num_blocks - len(self.free_blocks)
+    def num_used(self) -> int: return self.num_blocks - self.num_free
 
     def allocate(self, n: int) -> list[int] | None:
         "Take `n` free blocks (ref count 1), or return None and change nothing if fewer are free."
         if n < 0: raise ValueError(f"cannot allocate {n} blocks")
-        if n > len(self.free_blocks): return None
-        blocks = [self.free_blocks.popleft() for _ in range(n)]
+        if n > self.num_free: return None
+        blocks = [self._take_free() for _ in range(n)]
         for b in blocks: self.ref_counts[b] = 1
         return blocks
+
+    def _take_free(self) -> int: return self.free_blocks.popleft()
+    def _release(self, block: int): self.free_blocks.append(block)  # chapter 4 keeps cached blocks aside instead
 
     def _check_used(self, blocks, action: str):
         for b, n in Counter(blocks).items():
@@ -54,7 +57,7 @@ class BlockAllocator:
         self._check_used(blocks, "free")
         for b in blocks:
             self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0: self.free_blocks.append(b)
+            if self.ref_counts[b] == 0: self._release(b)
 
     def __repr__(self): return f"BlockAllocator(num_blocks={self.num_blocks}, free={self.num_free}, used={self.num_used})"
 

@@ -18,6 +18,7 @@ from .memory_plan import plan_memory
 from .paged_attention import TorchAttention
 from .kv_cache import PagedKVCache
 from .scheduler import Sequence, Scheduler, SchedulerConfig
+from .prefix_cache import PrefixCachingAllocator, PrefixCachingScheduler
 
 # %% ../nbs/03_continuous_batching.ipynb #2692269e
 class ModelRunner:
@@ -67,6 +68,7 @@ class EngineConfig(SchedulerConfig):
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
+    enable_prefix_caching: bool = True  # share the KV blocks of common prefixes between requests (chapter 4)
     backend: str = "auto"            # "torch", "cpu" (chapter 7's C kernels), or "auto": the fastest that runs here
     trace: bool = False              # record per-step details for the figures
 
@@ -81,6 +83,7 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0   # prompt tokens taken from the prefix cache (chapter 4)
 
 @dataclass
 class StepTrace:
@@ -105,8 +108,9 @@ class LLMEngine:
         self.memory = replace(plan, num_blocks=cfg.num_blocks) if cfg.num_blocks else plan.check(cfg.max_model_len or cfg.block_size)
         num_blocks = self.memory.num_blocks
         self.cache = PagedKVCache(model.config, num_blocks, cfg.block_size, model.device, model.dtype, self.backend.attention())
-        self.allocator = BlockAllocator(num_blocks)
-        self.scheduler = Scheduler(cfg, self.allocator)
+        caching = cfg.enable_prefix_caching
+        self.allocator = PrefixCachingAllocator(num_blocks) if caching else BlockAllocator(num_blocks)
+        self.scheduler = (PrefixCachingScheduler if caching else Scheduler)(cfg, self.allocator)
         self.runner, self.sampler = ModelRunner(self.model, self.cache), Sampler()
         self.max_model_len = min(cfg.max_model_len or model.config.max_position_embeddings, num_blocks * cfg.block_size)
         self.seqs: dict[str, Sequence] = {}
@@ -114,7 +118,8 @@ class LLMEngine:
         self.trace: list[StepTrace] = []
         self.counters = dict(prompt_tokens_total=0, generation_tokens_total=0, steps_total=0)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0) -> str:
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> str:
         "Queue a request (text or token ids) and return its id; raises `InvalidRequest` if it can never run."
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams): raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
@@ -125,7 +130,9 @@ class LLMEngine:
         if max(ids) >= vocab or min(ids) < 0: raise InvalidRequest(f"token ids must be in [0, {vocab})", param="prompt")
         rid = request_id or uuid.uuid4().hex
         if rid in self.seqs: raise InvalidRequest(f"request id {rid!r} is already in use", param="request_id")
-        seq = Sequence(rid, ids, params, self.tokenizer, self.max_model_len, self.config.block_size, self.model.device, priority)
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+            raise InvalidRequest(f"cache_salt must be a non-empty string, got {cache_salt!r}", param="cache_salt")
+        seq = Sequence(rid, ids, params, self.tokenizer, self.max_model_len, self.config.block_size, self.model.device, priority, cache_salt)
         self.seqs[rid] = seq
         self.scheduler.add(seq)
         self.counters["prompt_tokens_total"] += len(ids)
@@ -137,7 +144,7 @@ class LLMEngine:
         if seq is None: return
         seq.finish_reason = "abort"
         self._release(seq)
-        self.pending.append(StepOutput(request_id, [], "", True, "abort", None, len(seq.prompt_ids), len(seq.output_ids)))
+        self.pending.append(StepOutput(request_id, [], "", True, "abort", None, len(seq.prompt_ids), len(seq.output_ids), seq.num_cached_tokens))
 
     def has_unfinished(self) -> bool: return self.scheduler.has_unfinished() or bool(self.pending)
 
@@ -153,7 +160,7 @@ class LLMEngine:
             if seq.finish_reason: break
         if seq.finish_reason: self._release(seq)
         return StepOutput(seq.request_id, new, delta, seq.finish_reason is not None, seq.finish_reason,
-                          lps[:len(new)] if seq.logprobs is not None else None, len(seq.prompt_ids), len(seq.output_ids))
+                          lps[:len(new)] if seq.logprobs is not None else None, len(seq.prompt_ids), len(seq.output_ids), seq.num_cached_tokens)
 
     def step(self) -> list[StepOutput]:
         "Schedule, run one forward over the packed batch, sample every row that reached its next token at once, report."
@@ -163,6 +170,7 @@ class LLMEngine:
         if not sched.work: return outputs
         decoding = [s.is_decoding for s, _ in sched.work] if self.config.trace else None
         sampled, logits = self.runner.run(sched.work)
+        self.scheduler.commit(sched.work)
         if sampled:
             seqs = [s for s, _ in sampled]       # one row each: no proposed tokens without chapter 5
             params = [s.params for s in seqs]
@@ -181,4 +189,4 @@ class LLMEngine:
         "Counters for monitoring (the server's /metrics)."
         return dict(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                     kv_blocks_used=self.allocator.num_used, kv_blocks_free=self.allocator.num_free,
-                    kv_blocks_total=self.allocator.num_blocks, preemptions_total=self.scheduler.num_preemptions, **self.counters)
+                    kv_blocks_total=self.allocator.num_blocks, **self.scheduler.stats(), **self.counters)

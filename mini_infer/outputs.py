@@ -60,6 +60,7 @@ class RequestOutput:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0   # prompt tokens whose K/V came from a prefix cache (chapter 4)
 
 class Request:
     "One prompt and what it has produced so far: output token ids, logprobs, the streamed text, and why it ended."
@@ -71,6 +72,7 @@ class Request:
         self.text = TextStream(tokenizer, params.stop)
         self.generator = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
         self.finish_reason: str | None = None
+        self.num_cached_tokens = 0
 
     @property
     def num_tokens(self) -> int: return len(self.prompt_ids) + len(self.output_ids)
@@ -85,7 +87,8 @@ class Request:
         return delta + self.text.flush() if self.finish_reason else delta
 
     def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt_ids, list(self.output_ids), self.text.text, self.finish_reason, self.logprobs)
+        return RequestOutput(self.request_id, self.prompt_ids, list(self.output_ids), self.text.text, self.finish_reason, self.logprobs,
+                             self.num_cached_tokens)
 
 def as_prompt_list(prompts) -> list:
     "A single prompt (str or token-id list) or a list of them -> a list of prompts."

@@ -28,11 +28,14 @@ class SeqStatus(enum.Enum):
 class Sequence(Request):
     "One request inside the engine: chapter 1's `Request`, plus its place in the KV cache and its scheduling state."
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer, max_len: int,
-                 block_size: int = 16, device=None, priority: int = 0):
+                 block_size: int = 16, device=None, priority: int = 0, cache_salt: str | None = None):
         super().__init__(request_id, prompt_ids, params, tokenizer, max_len, device)
         self.block_table, self.status, self.priority = BlockTable(block_size), SeqStatus.WAITING, priority  # priority: lower first
         self.num_computed_tokens = 0                  # tokens whose K/V are in the cache
         self.spec_token_ids: list[int] = []           # proposed next tokens, not yet verified (chapter 5)
+        self.num_preemptions = 0
+        # chapter 4's prefix cache: blocks are shared only between requests with the same salt
+        self.cache_salt, self.block_hashes, self.num_cached_blocks = cache_salt, [], 0
 
     @property
     def num_tokens_with_spec(self) -> int: return self.num_tokens + len(self.spec_token_ids)
@@ -52,6 +55,7 @@ class Sequence(Request):
     def truncate(self, n: int, allocator: BlockAllocator):
         "Roll back to the first `n` computed tokens; the blocks past them go back to the pool."
         self.num_computed_tokens = min(self.num_computed_tokens, n)
+        self.num_cached_blocks = min(self.num_cached_blocks, n // self.block_table.block_size)
         self.block_table.truncate(min(n, self.block_table.num_tokens), allocator)
 
 # %% ../nbs/03_continuous_batching.ipynb #b242088b
@@ -94,7 +98,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence):
         "Roll the victim back to nothing computed, its blocks freed, and put it at the front of the queue to be recomputed."
         seq.truncate(0, self.allocator)
-        seq.status = SeqStatus.PREEMPTED
+        seq.status, seq.num_preemptions = SeqStatus.PREEMPTED, seq.num_preemptions + 1
         self.running.remove(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -107,7 +111,8 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING: continue          # preempted earlier in this loop
             if budget <= 0: break
             if seq.is_decoding: del seq.spec_token_ids[budget - 1:]   # the proposed tokens that fit the budget
-            n = seq.num_pending if seq.is_decoding else min(seq.num_pending, cfg.max_prefill_chunk, budget)
+            n = seq.num_pending if seq.is_decoding else self._prefill_tokens(seq, min(cfg.max_prefill_chunk, budget))
+            if n == 0: continue
             while not self._reserve(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim); preempted.append(victim)
@@ -115,17 +120,30 @@ class Scheduler:
             if seq.status is SeqStatus.RUNNING:
                 (decodes if seq.is_decoding else prefills).append((seq, n)); budget -= n
         # 2. waiting requests, in queue order, while budget, seats and blocks last
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not preempted:
-            seq = self.waiting[0]
-            if cfg.enable_chunked_prefill: n = min(seq.num_pending, cfg.max_prefill_chunk, budget)
-            elif seq.num_pending <= budget or not decodes + prefills: n = seq.num_pending   # whole; a prompt over budget runs alone
-            else: break
-            if not self._reserve(seq, n): break
-            self.waiting.popleft()
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= cfg.max_num_seqs or preempted: break
+            n = self._prefill_tokens(seq, min(cfg.max_prefill_chunk, budget) if cfg.enable_chunked_prefill else seq.num_pending)
+            fits = cfg.enable_chunked_prefill or n <= budget or not decodes + prefills  # whole; a prompt over budget runs alone
+            if not (n and fits and self._reserve(seq, n)):
+                seq.truncate(0, self.allocator)          # give back what `_prefill_tokens` took (chapter 4's cache hits)
+                if n: break                              # out of budget or blocks: the requests behind it wait too
+                continue                                 # (chapter 4) it waits for a block another request computes now
+            self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             (decodes if seq.is_decoding else prefills).append((seq, n)); budget -= n
         return ScheduledStep(decodes + prefills, preempted)
+
+    def _prefill_tokens(self, seq: Sequence, limit: int) -> int:
+        "How many prompt tokens of `seq` to run in this step (chapter 4 first takes what the prefix cache holds)."
+        return min(seq.num_pending, limit)
+
+    def commit(self, work: list[tuple[Sequence, int]]):
+        "Called after the step ran: chapter 4 shares the blocks it filled with final tokens; nothing to do without a prefix cache."
+
+    def stats(self) -> dict: return dict(preemptions_total=self.num_preemptions)
+
+    def stats(self) -> dict: return dict(preemptions_total=self.num_preemptions)
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         "Slots for the sequence's next `n` tokens (all or nothing)."

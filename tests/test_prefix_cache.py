@@ -1,0 +1,144 @@
+"""Prefix caching without a model: chained sha256 keys, the allocator's map and LRU, and a hypothesis state machine that
+drives the caching scheduler with a shadow KV pool. After every step the pool's invariants hold, every block's
+reference count equals the tables that hold it, no write lands in a shared or cached block, and every position a
+sequence attends to holds exactly the token (after exactly the prefix) it should, also when the hash function returns
+a constant."""
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+import pytest
+
+from mini_infer.prefix_cache import PrefixCachingAllocator, PrefixCachingScheduler, hash_block
+from mini_infer.sampling import SamplingParams
+from mini_infer.scheduler import SchedulerConfig, Sequence, SeqStatus
+
+
+class CharTok:
+    eos_token_ids = []
+    def decode(self, ids, skip_special_tokens=True): return "".join(map(chr, ids))
+
+
+def test_keys_chain_and_tag_their_extras():
+    a, b = hash_block(None, [1, 2, 3, 4]), hash_block(None, [1, 2, 3, 5])
+    assert len(a) == 32 and a != b and a == hash_block(None, (1, 2, 3, 4))
+    assert hash_block(a, [9] * 4) != hash_block(b, [9] * 4)               # same tokens, different prefix: different key
+    salted = hash_block(None, [1, 2, 3, 4], (("cache_salt", "x"),))
+    assert salted != a and salted != hash_block(None, [1, 2, 3, 4], (("lora", "x"),))   # kinds never collide
+    assert hash_block(None, [12, 3]) != hash_block(None, [1, 23])          # token boundaries are part of the key
+
+
+def test_lru_keeps_cached_blocks_until_a_fresh_block_is_needed():
+    alloc = PrefixCachingAllocator(4)
+    blocks = alloc.allocate(3)
+    keys = []
+    for i, b in enumerate(blocks):
+        keys.append(hash_block(keys[-1] if keys else None, [i] * 4))
+        assert alloc.register(b, blocks[i - 1] if i else None, keys[-1], [i] * 4) == b
+    alloc.free(blocks[::-1])                                             # a table frees its tail first
+    alloc.check()
+    assert (alloc.num_free, alloc.num_cached_free, alloc.num_used) == (4, 3, 0)
+    assert alloc.lookup(None, keys[0], [0] * 4) == blocks[0]
+    assert alloc.lookup(None, keys[0], [0, 0, 0, 1]) is None                 # tokens are compared: a collision is a miss
+    assert alloc.allocate(2) is not None                                 # the never-cached block, then the LRU: the tail
+    assert alloc.num_evictions == 1 and alloc.lookup(blocks[1], keys[2], [2] * 4) is None
+    assert alloc.lookup(blocks[0], keys[1], [1] * 4) == blocks[1]
+    alloc.incref([blocks[0]])                                            # a hit brings a cached-free block back into use
+    assert alloc.ref_counts[blocks[0]] == 1 and alloc.num_cached_free == 1
+    alloc.check()
+
+
+def test_register_adopts_an_identical_block_and_refuses_a_colliding_key():
+    alloc = PrefixCachingAllocator(4, hash_fn=lambda *a: b"k")
+    x, y, z = alloc.allocate(3)
+    assert alloc.register(x, None, b"k", [1, 2]) == x
+    assert alloc.register(y, None, b"k", [1, 2]) == x and alloc.ref_counts[x] == 2 and alloc.ref_counts[y] == 0
+    assert alloc.register(z, None, b"k", [3, 4]) is None                 # the key holds other tokens
+    alloc.check()
+
+
+def test_a_reused_parent_never_passes_for_the_old_one():
+    "A child entry names its parent's registration, not just its block number: keys here ignore the parent."
+    alloc = PrefixCachingAllocator(2)
+    p, c = alloc.allocate(2)
+    alloc.register(p, None, b"p1", [1]); alloc.register(c, p, b"c2", [2])
+    assert alloc.lookup(p, b"c2", [2]) == c
+    alloc.free([p, c])                                   # p is the least recently freed: evicted first
+    assert alloc.allocate(1) == [p] and alloc.lookup(p, b"c2", [2]) is None
+    alloc.register(p, None, b"p7", [7])                  # block p now holds another prefix
+    assert alloc.lookup(p, b"c2", [2]) is None           # c still names p's old registration
+
+
+
+# ---------------------------------------------------------------- the scheduler, driven with a shadow pool
+
+BLOCK = 4
+
+class CachingMachine(RuleBasedStateMachine):
+    "Random requests over a few shared prefixes; the fake model writes (token, prefix) into a shadow pool."
+    @initialize(num_blocks=st.integers(6, 40), budget=st.integers(1, 24), chunk=st.integers(1, 16),
+                seats=st.integers(1, 6), constant_hash=st.booleans())
+    def setup(self, num_blocks, budget, chunk, seats, constant_hash):
+        self.alloc = PrefixCachingAllocator(num_blocks, hash_fn=(lambda *a: b"c") if constant_hash else hash_block)
+        self.sched = PrefixCachingScheduler(SchedulerConfig(max_num_batched_tokens=budget, max_prefill_chunk=chunk, max_num_seqs=seats), self.alloc)
+        self.pool, self.seqs, self.capacity, self.n = {}, [], num_blocks * BLOCK, 0
+
+    @rule(prefix=st.sampled_from([(), (1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9), (5,) * 13]),
+          tail=st.lists(st.integers(1, 3), max_size=6), out=st.integers(1, 6), salt=st.sampled_from([None, None, "a"]))
+    def add(self, prefix, tail, out, salt):
+        prompt = list(prefix) + tail or [1]
+        if len(prompt) + out > self.capacity: return
+        seq = Sequence(str(self.n), prompt, SamplingParams(max_tokens=out), CharTok(), 10**6, BLOCK, cache_salt=salt)
+        self.n += 1; self.seqs.append(seq); self.sched.add(seq)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 100))
+    def abort(self, i):
+        seq = self.seqs.pop(i % len(self.seqs))
+        self.sched.finish(seq)
+
+    @precondition(lambda self: self.seqs)
+    @rule()
+    def step(self):
+        step = self.sched.schedule()
+        for seq, n in step.work:
+            table, start = seq.block_table, seq.num_computed_tokens
+            expected = [(t, seq.cache_salt, tuple(seq.token_slice(0, p))) for p, t in enumerate(seq.token_slice(0, start + n))]
+            for p in range(start):                           # what the sequence attends to is what it would have computed
+                assert self.pool[table.slots(p, 1)[0]] == expected[p], f"position {p} of {seq.request_id} holds another token"
+            for p, slot in enumerate(table.slots(start, n), start):
+                block = slot // BLOCK
+                assert self.alloc.ref_counts[block] == 1 and block not in self.alloc.entries, "a write into a shared or cached block"
+                self.pool[slot] = expected[p]
+            seq.num_computed_tokens += n
+        self.sched.commit(step.work)
+        for seq, n in step.work:
+            if seq.num_pending == 0:
+                seq.append(len(seq.output_ids) % 2 + 1)
+                if seq.finish_reason: self.sched.finish(seq); self.seqs.remove(seq)
+
+    @invariant()
+    def blocks_add_up(self):
+        if not hasattr(self, "alloc"): return
+        self.alloc.check()
+        held = {}
+        for s in self.sched.running + list(self.sched.waiting):
+            for b in s.block_table.blocks: held[b] = held.get(b, 0) + 1
+        assert all(self.alloc.ref_counts[b] == held.get(b, 0) for b in range(self.alloc.num_blocks))
+
+
+TestCachingMachine = CachingMachine.TestCase
+TestCachingMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+def test_shared_prompts_in_one_batch_compute_the_prefix_once():
+    alloc = PrefixCachingAllocator(32)
+    sched = PrefixCachingScheduler(SchedulerConfig(max_num_batched_tokens=64), alloc)
+    seqs = [Sequence(str(i), list(range(1, 17)) + [20 + i], SamplingParams(max_tokens=1), CharTok(), 10**6, BLOCK) for i in range(3)]
+    for s in seqs: sched.add(s)
+    first = sched.schedule()
+    assert [(s.request_id, n) for s, n in first.work] == [("0", 17)]     # the others wait for its blocks
+    for s, n in first.work: s.num_computed_tokens += n
+    sched.commit(first.work)
+    second = sched.schedule()
+    assert [(s.request_id, n) for s, n in second.work] == [("1", 1), ("2", 1)]
+    assert seqs[1].block_table.blocks[:4] == seqs[2].block_table.blocks[:4] == seqs[0].block_table.blocks[:4]
+    assert sched.stats()["prefix_cache_hits_total"] == 32 and seqs[1].num_cached_tokens == 16
