@@ -82,7 +82,7 @@ def cmd_serve(a):
     from mini_infer.server import serve
     serve(a.model, host=a.host, port=a.port, api_key=a.api_key, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
           kv_cache_memory_gb=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization, dtype=a.dtype, device=a.device,
-          max_waiting=a.max_waiting, backend=a.backend)
+          max_waiting=a.max_waiting, backend=a.backend, enable_prefix_caching=a.enable_prefix_caching)
 
 # %% ../nbs/90_cli.ipynb #be36cd5a
 def _model_args(p):
@@ -117,7 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1"); p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set MINI_INFER_API_KEY)")
     p.add_argument("--max-num-seqs", type=int, default=None); p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-waiting", type=int, default=1024, help="queue length beyond which requests get 429"); p.set_defaults(fn=cmd_serve)
+    p.add_argument("--max-waiting", type=int, default=1024, help="queue length beyond which requests get 429")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the KV blocks of common prompt prefixes between requests (default: on)")
+    p.set_defaults(fn=cmd_serve)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("offline", help="offline throughput against transformers"); _model_args(p)
     p.add_argument("--num-requests", type=int, default=64); p.add_argument("--input-len", type=int, nargs=2, default=[32, 256])

@@ -64,6 +64,7 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
+    cache_salt: str | None = Field(None, min_length=1)   # vLLM's: requests share cached prefixes only with the same salt
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -134,11 +135,17 @@ class Metrics:
     GAUGES = {"running": ("num_requests_running", "Requests in the running batch."),
               "waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
               "kv_blocks_used": ("kv_blocks_used", "KV-cache blocks in use."),
-              "kv_blocks_free": ("kv_blocks_free", "KV-cache blocks free.")}
+              "kv_blocks_free": ("kv_blocks_free", "KV-cache blocks free (including cached blocks no request holds)."),
+              "kv_blocks_cached": ("kv_blocks_cached", "KV-cache blocks no request holds that keep a cached prefix.")}
     COUNTERS = {"preemptions_total": ("num_preemptions", "Requests preempted to free KV blocks."),
                 "prompt_tokens_total": ("prompt_tokens", "Prompt tokens prefilled."),
                 "generation_tokens_total": ("generation_tokens", "Tokens generated."),
-                "steps_total": ("engine_steps", "Engine steps (forward passes).")}
+                "steps_total": ("engine_steps", "Engine steps (forward passes)."),
+                "prefix_cache_queries_total": ("prefix_cache_queries", "Tokens of admitted requests looked up in the prefix cache."),
+                "prefix_cache_hits_total": ("prefix_cache_hits", "Tokens found in the prefix cache."),
+                "prefix_cache_preempted_queries_total": ("prefix_cache_preempted_queries", "Tokens of resumed preempted requests looked up."),
+                "prefix_cache_preempted_hits_total": ("prefix_cache_preempted_hits", "Tokens of resumed preempted requests found again."),
+                "prefix_cache_evictions_total": ("prefix_cache_evictions", "Cached blocks evicted for fresh ones.")}
 
     def __init__(self, prefix: str = "mini_infer_"):
         self.prefix, self.lock = prefix, threading.Lock()
@@ -192,10 +199,10 @@ class AsyncEngine:
         self.thread = threading.Thread(target=self._run, name="mini-infer-engine", daemon=True)
         self.thread.start()
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, tag=0) -> tuple[str, asyncio.Future]:
+    def add(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, tag=0, cache_salt: str | None = None) -> tuple[str, asyncio.Future]:
         "Submit a request (call from the event loop); returns its id and a future resolved when the engine accepted it."
         rid, fut = uuid.uuid4().hex, sink.loop.create_future()
-        self._send(("add", rid, prompt_ids, params, sink, tag, fut, time.perf_counter()))
+        self._send(("add", rid, prompt_ids, params, cache_salt, sink, tag, fut, time.perf_counter()))
         return rid, fut
 
     def abort(self, request_id: str): self._send(("abort", request_id))
@@ -234,10 +241,10 @@ class AsyncEngine:
             self.engine.abort(cmd[1])
             if self._routes.pop(cmd[1], None): self.metrics.count_finished("abort")
             return
-        _, rid, prompt, params, sink, tag, fut, arrival = cmd
+        _, rid, prompt, params, cache_salt, sink, tag, fut, arrival = cmd
         with self._cv: self._pending_adds -= 1
         try:
-            self.engine.add_request(prompt, params, request_id=rid)
+            self.engine.add_request(prompt, params, request_id=rid, cache_salt=cache_salt)
             self._routes[rid] = _Route(sink, tag, arrival)
             sink.loop.call_soon_threadsafe(_resolve, fut, None)
         except Exception as e: sink.loop.call_soon_threadsafe(_resolve, fut, e)
@@ -277,8 +284,9 @@ def completion_logprobs(tok, lps, offset: int = 0) -> dict:
     return {"tokens": tokens, "token_logprobs": [_lp(t.logprob) for t in lps],
             "top_logprobs": [{_token_str(tok, i): _lp(lp) for i, lp in t.top.items()} for t in lps], "text_offset": offsets}
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 def sse(obj) -> str: return f"data: {json.dumps(obj) if not isinstance(obj, str) else obj}\n\n"
 
@@ -309,8 +317,10 @@ async def _outputs(sink: Sink, n: int):
 # %% ../nbs/06_server.ipynb #bc04ff33
 class Generation:
     "One chat or text completion request: submit its engine requests, then stream or collect their outputs as OpenAI JSON."
-    def __init__(self, engine: AsyncEngine, kind: str, model: str, tok, logprobs: int | None, num_prompt_tokens: int):
+    def __init__(self, engine: AsyncEngine, kind: str, model: str, tok, logprobs: int | None, num_prompt_tokens: int, n: int = 1,
+                 cache_salt: str | None = None):
         self.engine, self.kind, self.tok, self.logprobs, self.num_prompt_tokens = engine, kind, tok, logprobs, num_prompt_tokens
+        self.n, self.cache_salt, self.cached = n, cache_salt, {}     # cached: choice -> its prompt tokens found in the prefix cache
         self.sink, self.rids, self.done = Sink(), [], set()
         chat = kind == "chat"
         self.base = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -322,7 +332,7 @@ class Generation:
             raise APIError(429, f"Too many requests waiting ({self.engine.num_waiting()}); retry later", "rate_limit_error", code="queue_full")
         futs = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
-            rid, fut = self.engine.add(p, sp, self.sink, tag=i); self.rids.append(rid); futs.append(fut)
+            rid, fut = self.engine.add(p, sp, self.sink, tag=i, cache_salt=self.cache_salt); self.rids.append(rid); futs.append(fut)
         try: await asyncio.gather(*futs)
         except InvalidRequest as e:   # the engine's own checks: an empty prompt, token ids outside the vocabulary, too long
             self.abort()
@@ -332,6 +342,18 @@ class Generation:
     def abort(self):
         for rid in self.rids:
             if rid not in self.done: self.engine.abort(rid)
+
+    async def _outputs(self):
+        "(choice, StepOutput) until every choice has finished."
+        async for i, o in _outputs(self.sink, len(self.rids)):
+            self.cached[i] = o.num_cached_tokens
+            if o.finished: self.done.add(self.rids[i])
+            yield i, o
+
+    def _usage(self, n_out: int) -> dict:
+        "Token counts; a prompt's cached tokens are those every one of its n choices found in the prefix cache."
+        cached = sum(min(self.cached.get(i, 0) for i in range(j, j + self.n)) for j in range(0, len(self.rids), self.n))
+        return usage(self.num_prompt_tokens, n_out, cached)
 
     def _logprobs(self, lps, offset: int = 0):
         if self.logprobs is None: return None
@@ -343,16 +365,15 @@ class Generation:
         def chunk(choices): return sse({**self.base, "choices": choices, **({"usage": None} if include_usage else {})})
         try:
             if chat: yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(n)])
-            async for i, o in _outputs(self.sink, n):
+            async for i, o in self._outputs():
                 n_out += len(o.new_token_ids)
                 if o.text_delta or (self.logprobs is not None and o.logprobs):
                     delta = {"delta": {"content": o.text_delta}} if chat else {"text": o.text_delta}
                     yield chunk([{"index": i, **delta, "logprobs": self._logprobs(o.logprobs or [], offsets[i]), "finish_reason": None}])
                     offsets[i] += len(o.text_delta)
                 if o.finished:
-                    self.done.add(self.rids[i])
                     yield chunk([{"index": i, **({"delta": {}} if chat else {"text": ""}), "logprobs": None, "finish_reason": o.finish_reason}])
-            if include_usage: yield sse({**self.base, "choices": [], "usage": usage(self.num_prompt_tokens, n_out)})
+            if include_usage: yield sse({**self.base, "choices": [], "usage": self._usage(n_out)})
         except Exception as e:
             log.exception("stream failed")
             yield sse(APIError(500, str(e), "server_error").body())
@@ -362,9 +383,9 @@ class Generation:
     async def _gather(self):
         n = len(self.rids)
         texts, lps, reasons, n_out = [""] * n, [[] for _ in range(n)], [None] * n, 0
-        async for i, o in _outputs(self.sink, n):
+        async for i, o in self._outputs():
             texts[i] += o.text_delta; n_out += len(o.new_token_ids); lps[i] += o.logprobs or []
-            if o.finished: reasons[i] = o.finish_reason; self.done.add(self.rids[i])
+            if o.finished: reasons[i] = o.finish_reason
         return texts, lps, reasons, n_out
 
     async def collect(self, request: Request) -> dict:
@@ -382,7 +403,7 @@ class Generation:
                        for i, t in enumerate(texts)]
         else: choices = [{"index": i, "text": t, "logprobs": self._logprobs(lps[i]), "finish_reason": reasons[i]} for i, t in enumerate(texts)]
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        return {**self.base, "object": obj, "choices": choices, "usage": usage(self.num_prompt_tokens, n_out)}
+        return {**self.base, "object": obj, "choices": choices, "usage": self._usage(n_out)}
 
 # %% ../nbs/06_server.ipynb #4da4d0a4
 def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = None,
@@ -445,7 +466,7 @@ def build_app(llm: LLM, model_name: str | None = None, api_key: str | None = Non
     async def generate(request, req, prompt_ids, max_tokens, logprobs, param, kind):
         "Shared body of both endpoints; `kind` is 'chat' or 'completion'."
         prompts, params = expand(req, prompt_ids, max_tokens, logprobs)
-        gen = Generation(engine, kind, model_name, tok, logprobs, sum(len(p) for p in prompt_ids))
+        gen = Generation(engine, kind, model_name, tok, logprobs, sum(len(p) for p in prompt_ids), req.n, req.cache_salt)
         await gen.submit(prompts, params, max_waiting, param)
         if not req.stream: return await gen.collect(request)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -489,12 +510,12 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, a
           max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None, kv_cache_memory_gb: float | None = None,
           gpu_memory_utilization: float | None = None, dtype: str | None = None, device: str | None = None,
           max_waiting: int = 1024, max_body_bytes: int = 2 * 2**20, served_model_name: str | None = None, log_level: str = "info",
-          backend: str = "auto"):
+          backend: str = "auto", enable_prefix_caching: bool = True):
     "Load `model` and serve it with an OpenAI-compatible API on http://host:port/v1 (API key from the argument or MINI_INFER_API_KEY)."
     api_key = api_key or os.environ.get("MINI_INFER_API_KEY") or None
     engine_kwargs = {k: v for k, v in dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                      kv_cache_memory_gb=kv_cache_memory_gb, gpu_memory_utilization=gpu_memory_utilization).items() if v is not None}
-    llm = LLM(model, device=device, dtype=dtype, backend=backend, **engine_kwargs)
+    llm = LLM(model, device=device, dtype=dtype, backend=backend, enable_prefix_caching=enable_prefix_caching, **engine_kwargs)
     app = build_app(llm, model_name=served_model_name, api_key=api_key, max_waiting=max_waiting, max_body_bytes=max_body_bytes)
     st = app.state.engine.stats
     print(f"mini-infer: loaded {app.state.model_name} on {llm.model.device} ({llm.model.dtype}), "

@@ -261,6 +261,9 @@ BAD = [  # (path, body, status, param)
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1] * 9000}, 400, "prompt"),
     ("/v1/completions", {"max_tokens": 2}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "cache_salt": 5}, 400, "cache_salt"),
+    ("/v1/chat/completions", {**_CHAT, "cache_salt": ""}, 400, "cache_salt"),
+    ("/v1/chat/completions", {**_CHAT, "cache_salt": ["a"]}, 400, "cache_salt"),
 ]
 
 
@@ -328,7 +331,7 @@ def test_metrics(server):
 
 @pytest.fixture(scope="module")
 def auth_server(tmp_path_factory):
-    proc, url = _start(tmp_path_factory, api_key="sekrit", max_num_seqs=1, max_waiting=2)
+    proc, url = _start(tmp_path_factory, api_key="sekrit", max_num_seqs=1, max_waiting=2, enable_prefix_caching=False)
     yield url
     proc.terminate(); proc.wait(timeout=30)
 
@@ -346,6 +349,12 @@ def test_api_key(auth_server):
     assert e.value.status_code == 401
 
 
+def test_prefix_caching_can_be_turned_off(auth_server):
+    ok = OpenAI(base_url=auth_server + "/v1", api_key="sekrit", max_retries=0)
+    usages = [ok.completions.create(model=MODEL, prompt=SYSTEM, max_tokens=2).usage for _ in range(2)]
+    assert [u.prompt_tokens_details.cached_tokens for u in usages] == [0, 0]
+
+
 def test_full_queue_answers_429(auth_server):
     async def main():
         async with httpx.AsyncClient(timeout=60) as c:
@@ -359,3 +368,36 @@ def test_full_queue_answers_429(auth_server):
     assert err["type"] == "rate_limit_error"
     assert httpx.post(auth_server + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
                       headers={"Authorization": "Bearer sekrit"}).status_code == 200
+
+
+SYSTEM = ("You are a careful assistant for a library. You answer questions about opening hours, loans, renewals, fines, "
+          "interlibrary requests and the reading rooms, briefly and politely, and you never invent a policy.")
+
+
+def test_cached_tokens_on_a_repeated_system_prompt(server, client):
+    def ask(q, **kw):
+        return client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "system", "content": SYSTEM},
+                                              {"role": "user", "content": q}], **kw)
+    before = metrics(server)
+    first, second = ask("When do you open?"), ask("Can I renew a loan online?")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 32 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+    chunks = list(ask("Where are the reading rooms?", stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    text = client.completions.create(model=MODEL, prompt=SYSTEM * 2, max_tokens=2)
+    again = client.completions.create(model=MODEL, prompt=SYSTEM * 2, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens == (again.usage.prompt_tokens - 1) // 16 * 16   # all but the last token's block
+    m = metrics(server)
+    assert m["mini_infer_prefix_cache_hits_total"] - before["mini_infer_prefix_cache_hits_total"] >= 2 * cached
+    assert m["mini_infer_prefix_cache_queries_total"] > before["mini_infer_prefix_cache_queries_total"]
+
+
+def test_salts_isolate_tenants(client):
+    def ask(salt):
+        r = client.completions.create(model=MODEL, prompt="Tenant secret: " + SYSTEM, max_tokens=2, extra_body={"cache_salt": salt})
+        return r.usage.prompt_tokens_details.cached_tokens
+    a1, a2, b1, b2 = ask("tenant-a"), ask("tenant-a"), ask("tenant-b"), ask("tenant-b")
+    assert a1 == b1 == 0 and a2 == b2 > 0          # each tenant hits only its own blocks
+    plain = client.completions.create(model=MODEL, prompt="Tenant secret: " + SYSTEM, max_tokens=2)
+    assert plain.usage.prompt_tokens_details.cached_tokens == 0
