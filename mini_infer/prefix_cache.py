@@ -7,21 +7,21 @@ Docs: https://mini-infer.github.io/mini-infer/prefix_cache.html.md"""
 # %% auto #0
 __all__ = ['hash_block', 'CachedBlock', 'PrefixCachingAllocator', 'PrefixCachingScheduler']
 
-# %% ../nbs/04_prefix_cache.ipynb #0f492b97
+# %% ../nbs/04_prefix_cache.ipynb #4d3a5797
 import hashlib, itertools, json
 from collections import OrderedDict
 from dataclasses import dataclass
 
-# %% ../nbs/04_prefix_cache.ipynb #c814e30e
+# %% ../nbs/04_prefix_cache.ipynb #7be5e4bc
 from .block_manager import BlockAllocator
 from .scheduler import Sequence, Scheduler, SchedulerConfig, ScheduledStep
 
-# %% ../nbs/04_prefix_cache.ipynb #8f37fec7
+# %% ../nbs/04_prefix_cache.ipynb #1e1d422a
 def hash_block(parent: bytes | None, token_ids, extra_keys: tuple = ()) -> bytes:
     "The key of a full block: sha256 over its parent block's key, its token ids and its tagged extra keys ((kind, value) pairs)."
     return hashlib.sha256((parent or bytes(32)) + json.dumps([list(token_ids), list(extra_keys)]).encode()).digest()
 
-# %% ../nbs/04_prefix_cache.ipynb #7b8f3c80
+# %% ../nbs/04_prefix_cache.ipynb #802c8db0
 @dataclass(frozen=True)
 class CachedBlock:
     "What the cache knows of a block: its key, and the contents the key stands for (checked on every hit)."
@@ -94,7 +94,7 @@ class PrefixCachingAllocator(BlockAllocator):
         assert all(self.ref_counts[b] == 0 and b not in self.entries for b in self.free_blocks)
         assert {self.by_key[e.key] for e in self.entries.values()} == set(self.entries) and len(self.by_key) == len(self.entries)
 
-# %% ../nbs/04_prefix_cache.ipynb #bdf0545b
+# %% ../nbs/04_prefix_cache.ipynb #f91c2df7
 class PrefixCachingScheduler(Scheduler):
     """Chapter 3's scheduler with a prefix cache: a prompt starts after its longest cached prefix, the blocks a step fills
     with final tokens are shared at once, and a block is computed once per step even if several prompts contain it."""
