@@ -135,9 +135,10 @@ class PrefixCachingScheduler(Scheduler):
         if start == table.num_tokens and start % B == 0 and seq.num_cached_blocks == start // B: self._take_hits(seq)
         start, n = seq.num_computed_tokens, min(seq.num_pending, limit)
         # a block is computed once per step: stop before a full block that another prompt computes in this step
+        # (without chunked prefill, wait for it whole)
         for i in range(start // B, min(start + n, seq.num_tokens) // B):
             key = self._block(seq, i)[0]
-            if key in self._step_keys and i * B >= start: return i * B - start
+            if key in self._step_keys and i * B >= start: return i * B - start if self.config.enable_chunked_prefill else 0
             self._step_keys.add(key)
         return n
 

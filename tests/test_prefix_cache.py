@@ -75,10 +75,11 @@ BLOCK = 4
 class CachingMachine(RuleBasedStateMachine):
     "Random requests over a few shared prefixes; the fake model writes (token, prefix) into a shadow pool."
     @initialize(num_blocks=st.integers(6, 40), budget=st.integers(1, 24), chunk=st.integers(1, 16),
-                seats=st.integers(1, 6), constant_hash=st.booleans())
-    def setup(self, num_blocks, budget, chunk, seats, constant_hash):
+                seats=st.integers(1, 6), chunked=st.booleans(), constant_hash=st.booleans())
+    def setup(self, num_blocks, budget, chunk, seats, chunked, constant_hash):
         self.alloc = PrefixCachingAllocator(num_blocks, hash_fn=(lambda *a: b"c") if constant_hash else hash_block)
-        self.sched = PrefixCachingScheduler(SchedulerConfig(max_num_batched_tokens=budget, max_prefill_chunk=chunk, max_num_seqs=seats), self.alloc)
+        self.config = SchedulerConfig(max_num_batched_tokens=budget, max_prefill_chunk=chunk, max_num_seqs=seats, enable_chunked_prefill=chunked)
+        self.sched = PrefixCachingScheduler(self.config, self.alloc)
         self.pool, self.seqs, self.capacity, self.n = {}, [], num_blocks * BLOCK, 0
 
     @rule(prefix=st.sampled_from([(), (1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9), (5,) * 13]),
@@ -101,6 +102,7 @@ class CachingMachine(RuleBasedStateMachine):
         step = self.sched.schedule()
         for seq, n in step.work:
             table, start = seq.block_table, seq.num_computed_tokens
+            if not self.config.enable_chunked_prefill: assert n == seq.num_pending, "a prompt split with chunked prefill off"
             expected = [(t, seq.cache_salt, tuple(seq.token_slice(0, p))) for p, t in enumerate(seq.token_slice(0, start + n))]
             for p in range(start):                           # what the sequence attends to is what it would have computed
                 assert self.pool[table.slots(p, 1)[0]] == expected[p], f"position {p} of {seq.request_id} holds another token"
