@@ -344,8 +344,15 @@ PAGED_DECODE_C = r"""
 #include <stdlib.h>
 #include <string.h>
 
-/* Vectors of 16 floats (GCC/clang vector types): one AVX-512 register, two AVX2 or four NEON ones. */
+/* Vectors of VL floats (GCC/clang vector types), one register wide: AVX-512, AVX2, else 4 (SSE, NEON). A type wider
+   than the CPU's registers compiles, but every operation then goes through memory: 3-30x slower kernels on AVX2. */
+#if defined(__AVX512F__)
 #define VL 16
+#elif defined(__AVX__)
+#define VL 8
+#else
+#define VL 4
+#endif
 typedef float vf __attribute__((vector_size(4 * VL)));
 typedef int32_t vi __attribute__((vector_size(4 * VL)));
 typedef uint32_t vu __attribute__((vector_size(4 * VL)));
@@ -361,17 +368,11 @@ static inline void bf16_store(uint16_t *p, float x) {             /* round to ne
 }
 static inline vf bf16_vload(const uint16_t *p) { vh h; memcpy(&h, p, sizeof h); return (vf)(__builtin_convertvector(h, vu) << 16); }
 
-#ifdef __clang__
-#define SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
-#else
-#define SHUFFLE(v, ...) __builtin_shuffle(v, (vi){__VA_ARGS__})
-#endif
-static inline float hsum(vf v) {                    /* a tree of 4 vector adds, not a chain of 16 scalar ones */
-    v += SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v += SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v += SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v += SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    return v[0];
+typedef float vf4 __attribute__((vector_size(16)));
+static inline float hsum(vf v) {                    /* add the vector's 4-float quarters, then a tree of 4 lanes */
+    vf4 s = {0};
+    for (int i = 0; i < VL; i += 4) { vf4 c; memcpy(&c, (const float *)&v + i, sizeof c); s += c; }
+    return (s[0] + s[2]) + (s[1] + s[3]);
 }
 """ + VEXP_C + r"""
 /* A sequence's blocks lie anywhere in the pool, so the hardware prefetcher cannot guess the next one: while reading a
@@ -529,7 +530,7 @@ void NAME(const T *q, const T *k_pool, const T *v_pool, T *out, const int64_t *s
                 }                                                                                                \
                 amm(kb, D, 1, kn, D, qt, NQ, st, 0);                   /* scores^T [kn, NQ] */                   \
                 const int diag = j0 + kn - 1 > first + a;              /* some key here comes after some query */ \
-                for (int64_t c = 0; c < NV; c++) {                     /* online softmax, 16 queries at a time */ \
+                for (int64_t c = 0; c < NV; c++) {                     /* online softmax, VL queries at a time */ \
                     const vf lm = f32_vload(lim + c * VL), old = f32_vload(m + c * VL);                          \
                     vf mx = old, sum = {0};                                                                      \
                     for (int64_t u = 0; u < kn; u++) {                 /* keys after the query: -inf */          \
