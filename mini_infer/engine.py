@@ -109,6 +109,7 @@ class LLMEngine:
         num_blocks = self.memory.num_blocks
         self.cache = PagedKVCache(model.config, num_blocks, cfg.block_size, model.device, model.dtype, self.backend.attention())
         caching = cfg.enable_prefix_caching
+        if cfg.policy != "fcfs" and not caching: raise ValueError(f"the {cfg.policy!r} policy needs the prefix cache")
         self.allocator = PrefixCachingAllocator(num_blocks) if caching else BlockAllocator(num_blocks)
         self.scheduler = (PrefixCachingScheduler if caching else Scheduler)(cfg, self.allocator)
         self.runner, self.sampler = ModelRunner(self.model, self.cache), Sampler()

@@ -9,7 +9,7 @@ __all__ = ['hash_block', 'CachedBlock', 'PrefixCachingAllocator', 'PrefixCaching
 
 # %% ../nbs/04_prefix_cache.ipynb #4d3a5797
 import hashlib, itertools, json
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 # %% ../nbs/04_prefix_cache.ipynb #7be5e4bc
@@ -116,14 +116,20 @@ class PrefixCachingScheduler(Scheduler):
             seq.block_hashes.append(self.allocator.hash_fn(seq.block_hashes[j - 1] if j else None, seq.token_slice(j * B, B), self._extra_keys(seq, j)))
         return seq.block_hashes[i], seq.token_slice(i * B, B), self._extra_keys(seq, i)
 
-    def _take_hits(self, seq: Sequence):
-        "Append the cached blocks that continue the sequence's computed prefix; never its last token, whose logits we need."
+    def _match(self, seq: Sequence) -> list[int]:
+        "The cached blocks that continue the sequence's computed prefix; never its last token, whose logits we need."
         table, B = seq.block_table, seq.block_table.block_size
-        first, parent, hits = seq.num_computed_tokens // B, (table.blocks[-1] if table.blocks else None), []
-        for i in range(first, (seq.num_tokens - 1) // B):
+        parent, hits = table.blocks[-1] if table.blocks else None, []
+        for i in range(seq.num_computed_tokens // B, (seq.num_tokens - 1) // B):
             block = self.allocator.lookup(parent, *self._block(seq, i))
             if block is None: break
             hits.append(parent := block)
+        return hits
+
+    def _take_hits(self, seq: Sequence):
+        "Append the matching cached blocks to the sequence's table, as computed tokens."
+        table, B = seq.block_table, seq.block_table.block_size
+        first, hits = seq.num_computed_tokens // B, self._match(seq)
         self.allocator.incref(hits)
         table.blocks += hits; table.num_tokens += len(hits) * B
         seq.num_computed_tokens += len(hits) * B; seq.num_cached_blocks += len(hits)
@@ -144,6 +150,8 @@ class PrefixCachingScheduler(Scheduler):
 
     def schedule(self) -> ScheduledStep:
         self._lookups, self._step_keys = {}, set()
+        if self.config.policy == "longest_prefix" and len(self.waiting) > 1:   # resumed requests first, then by priority
+            self.waiting = deque(sorted(self.waiting, key=lambda s: (not s.num_preemptions, s.priority, -len(self._match(s)))))
         step = super().schedule()
         for seq, _ in step.work:       # count the lookups of the sequences that run (a request that could not start retries)
             queries, hits = self._lookups.get(seq, (0, 0))

@@ -66,10 +66,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # small steps keep a CPU's activations in cache; GPUs may prefer 2048+
     max_prefill_chunk: int = 512       # the most prompt tokens of one request per step
     enable_chunked_prefill: bool = True
+    policy: str = "fcfs"               # or "longest_prefix": admit the longest cached prefix first (chapter 4)
 
     def __post_init__(self):
         for k in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
             if getattr(self, k) < 1: raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
+        if self.policy not in ("fcfs", "longest_prefix"): raise ValueError(f"unknown policy {self.policy!r}; choose fcfs or longest_prefix")
 
 @dataclass
 class ScheduledStep:
@@ -140,8 +142,6 @@ class Scheduler:
 
     def commit(self, work: list[tuple[Sequence, int]]):
         "Called after the step ran: chapter 4 shares the blocks it filled with final tokens; nothing to do without a prefix cache."
-
-    def stats(self) -> dict: return dict(preemptions_total=self.num_preemptions)
 
     def stats(self) -> dict: return dict(preemptions_total=self.num_preemptions)
 

@@ -118,3 +118,26 @@ def test_a_pool_full_of_cached_blocks_still_admits(llm):
     out = run_to_completion(eng, [rand_ids(rng, 100)], [GREEDY])[0]     # needs 7 of the 8 blocks: evicts
     assert len(out.token_ids) == 6 and eng.stats()["prefix_cache_evictions_total"] > 0
     assert isinstance(eng.allocator, PrefixCachingAllocator)
+
+
+def test_longest_prefix_admission_keeps_outputs_and_computes_less(llm):
+    rng = random.Random(9)
+    heads = [rand_ids(rng, 96) for _ in range(3)]
+    arrivals = [heads[i % 3] + rand_ids(rng, 5) for i in range(9)]
+    runs = {}
+    for policy in ("fcfs", "longest_prefix"):
+        eng = engine(llm, num_blocks=16, max_num_seqs=2, policy=policy)
+        runs[policy] = (run_to_completion(eng, arrivals, [GREEDY] * len(arrivals)), eng)
+        eng.allocator.check()
+    same_outputs(runs["longest_prefix"][0], runs["fcfs"][0])
+    hits = {p: e.stats()["prefix_cache_hits_total"] for p, (_, e) in runs.items()}
+    assert hits["longest_prefix"] > hits["fcfs"]
+
+
+def test_admission_policy_is_checked():
+    from mini_infer.scheduler import SchedulerConfig
+    with pytest.raises(ValueError, match="unknown policy"): SchedulerConfig(policy="lifo")
+
+
+def test_longest_prefix_needs_the_cache(llm):
+    with pytest.raises(ValueError, match="needs the prefix cache"): engine(llm, policy="longest_prefix", enable_prefix_caching=False)
