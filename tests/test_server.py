@@ -202,7 +202,8 @@ def _wait_idle(url, timeout=20):
 
 def test_disconnect_frees_blocks(server):
     base = _wait_idle(server)
-    body = {"prompt": "Count from one to one thousand:", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    # a prompt of several full blocks: leaving, the request returns them to the prefix cache, not just to the free list
+    body = {"prompt": "Count from one to one thousand, one number per line. " * 5, "max_tokens": 300, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server + "/v1/completions", json=body) as r:
         assert r.status_code == 200
         # Keep the line iterator referenced: a generator dropped mid-stream (`break` out of a for loop) is closed at
@@ -213,6 +214,7 @@ def test_disconnect_frees_blocks(server):
         assert metrics(server)["mini_infer_kv_blocks_used"] > base["mini_infer_kv_blocks_used"]
     m = _wait_idle(server)
     assert m["mini_infer_kv_blocks_used"] == base["mini_infer_kv_blocks_used"]
+    assert m["mini_infer_kv_blocks_cached"] >= base["mini_infer_kv_blocks_cached"] + 3
     aborted = "mini_infer_request_success_total[('finished_reason', 'abort')]"
     assert m[aborted] == base[aborted] + 1
     # non-streaming client that times out and goes away is aborted too
