@@ -157,3 +157,18 @@ def test_int8_kv_engine_matches_float_mostly_and_holds_more_tokens():
 def test_bad_values_name_what_is_supported(kw, match):
     with pytest.raises(ValueError, match=match): EngineConfig(**kw)
     with pytest.raises(ValueError, match=match): LLM("smollm2-135m", **kw)
+
+
+def test_serving_int8_with_the_openai_client(tmp_path_factory):
+    "A server started with int8 weights and KV cache answers the openai client with what `LLM` answers offline."
+    from openai import OpenAI
+    from test_server import MSGS, _start
+    proc, url = _start(tmp_path_factory, quantization="int8", kv_cache_dtype="int8", kv_cache_memory_gb=0.1)
+    try:
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(model="smollm2-135m", messages=MSGS, max_tokens=12, temperature=0)
+        offline = LLM("smollm2-135m", quantization="int8", kv_cache_dtype="int8", kv_cache_memory_gb=0.1)
+        assert r.choices[0].message.content == offline.chat(MSGS, SamplingParams(temperature=0, max_tokens=12))[0].text
+        assert "Paris" in r.choices[0].message.content
+    finally:
+        proc.terminate(); proc.wait(timeout=30)
