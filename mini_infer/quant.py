@@ -6,14 +6,14 @@ Docs: https://mini-infer.github.io/mini-infer/quantization.html.md"""
 
 # %% auto #0
 __all__ = ['INT8_KERNELS_C', 'quantize_int8', 'dequantize_int8', 'Int8Linear', 'Int8Embedding', 'Int8Attention', 'Int8MLP',
-           'quantize_model', 'int8_kernels', 'int8_kernel_applies', 'linear_int8', 'quantize_kv', 'dequantize_kv',
-           'Int8KVAttention']
+           'quantize_model', 'int8_kernels', 'int8_lanes', 'int8_kernel_applies', 'linear_int8', 'quantize_kv',
+           'dequantize_kv', 'Int8KVAttention']
 
-# %% ../nbs/08_quantization.ipynb #c67e16ab
+# %% ../nbs/08_quantization.ipynb #a4821dce
 import copy, ctypes, functools
 from dataclasses import replace
 
-# %% ../nbs/08_quantization.ipynb #feac4f7a
+# %% ../nbs/08_quantization.ipynb #e6bda7b8
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -21,7 +21,7 @@ from .model import Attention, MLP, CausalLM, ModelConfig
 from .paged_attention import AttentionBackend, StepInputs, TorchAttention
 from .cpu_kernels import load_library
 
-# %% ../nbs/08_quantization.ipynb #bd788db3
+# %% ../nbs/08_quantization.ipynb #a81e295b
 def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 of `w` [N, K]: `q` [N, K] int8 and float32 scales [N, K // group_size], one per output channel
     with `group_size=None`; `w ≈ q * scale`, off by at most scale / 2."""
@@ -38,7 +38,7 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -
     N, K = q.shape
     return (q.view(N, scale.shape[1], -1).to(dtype) * scale[..., None].to(dtype)).view(N, K)
 
-# %% ../nbs/08_quantization.ipynb #0b3654bf
+# %% ../nbs/08_quantization.ipynb #c75a1141
 class Int8Linear(nn.Module):
     "`nn.Linear` with an int8 weight and float32 scales (per output channel, or per group of `group_size` inputs)."
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int | None = None):
@@ -49,16 +49,18 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", q)
         self.register_buffer("scale", s)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        lanes = int8_lanes()   # whether chapter 8's C kernel (below) takes this layer, decided once
+        self.kernel_ok = bool(lanes) and self.in_features % lanes == 0 and self.group_size % lanes == 0 and (bias is None or bias.dtype == torch.float32)
 
     def dequantized(self, dtype=torch.float32) -> torch.Tensor: return dequantize_int8(self.qweight, self.scale, dtype)
 
     def forward(self, x):
-        if int8_kernel_applies(x, self): return linear_int8(x, self)   # the C kernel below, on CPUs
+        if int8_kernel_applies(x, self): return _linear_int8(x, self)   # the C kernel below, on CPUs
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def extra_repr(self): return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, bias={self.bias is not None}"
 
-# %% ../nbs/08_quantization.ipynb #8437961d
+# %% ../nbs/08_quantization.ipynb #9f193454
 class Int8Embedding(nn.Module):
     "Embedding rows looked up in an `Int8Linear`'s int8 weight and dequantized: a tied LM head and embedding share one copy."
     def __init__(self, table: Int8Linear, dtype=torch.float32): super().__init__(); self.table, self.dtype = table, dtype
@@ -109,7 +111,7 @@ def quantize_model(model: CausalLM, group_size: int | None = None) -> CausalLM:
     if model.config.tie_word_embeddings: q.model.embed_tokens = Int8Embedding(q.lm_head, model.dtype)
     return q
 
-# %% ../nbs/08_quantization.ipynb #b40c31af
+# %% ../nbs/08_quantization.ipynb #01de8640
 INT8_KERNELS_C = r"""
 #include <stdint.h>
 #include <stdlib.h>
@@ -140,15 +142,19 @@ static inline vf widen(const int8_t *p) { return (vf)_mm256_cvtepi32_ps(_mm256_c
 static inline vf widen(const int8_t *p) { vf w; for (int i = 0; i < VL; i++) w[i] = p[i]; return w; }
 #endif
 
-static inline float hsum(vf v) { float t = 0.f; for (int i = 0; i < VL; i++) t += v[i]; return t; }
+static inline float hsum(vf v) {   /* pairwise: log2(VL) dependent additions, not VL */
+    float t[VL]; memcpy(t, &v, sizeof v);
+    for (int w = VL / 2; w > 0; w /= 2) for (int i = 0; i < w; i++) t[i] += t[i + w];
+    return t[0];
+}
 
 static inline vf load_f(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 
-/* The weight vector at column k of row r, widened, times its group's scale where there are groups (ng > 1; with one
+/* The weight vector at column k of row r, widened, times its group's scale sg where there are groups (ng > 1; with one
    scale a row, ng = 1, the scale multiplies the finished sum instead). */
-static inline vf weight(const int8_t *q, const float *s, int64_t K, int64_t gs, int64_t ng, int r, int64_t k) {
-    vf w = widen(q + r * K + k);
-    return ng > 1 ? w * s[r * ng + k / gs] : w;
+static inline vf weight(const int8_t *q, float sg, int64_t K, int64_t ng, int r, int64_t k) {
+    const vf w = widen(q + r * K + k);
+    return ng > 1 ? w * sg : w;
 }
 
 /* RN rows of y (from row n of W) for M <= MX rows of x: each weight vector feeds M FMAs. SRC is the weight vector at
@@ -159,17 +165,22 @@ static void NAME##_##M##_##RN(const float *x, const int8_t *q, const float *wf, 
                               float *y, int64_t N, int64_t K, int64_t gs, int64_t ng) {                             \
     vf acc[M][RN];                                                                                                  \
     for (int m = 0; m < M; m++) for (int r = 0; r < RN; r++) acc[m][r] = (vf){0};                                   \
-    for (int64_t k = 0; k < K; k += VL) {                                                                           \
-        vf xv[M];                                                                                                   \
-        for (int m = 0; m < M; m++) xv[m] = load_f(x + m * K + k);                                                  \
-        for (int r = 0; r < RN; r++) { const vf w = SRC; for (int m = 0; m < M; m++) acc[m][r] += xv[m] * w; }       \
+    for (int64_t g = 0; g < ng; g++) {                                                                              \
+        float sg[RN];                                                                                               \
+        for (int r = 0; r < RN; r++) sg[r] = s[r * ng + g];                                                         \
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += VL) {                                                       \
+            vf xv[M];                                                                                               \
+            for (int m = 0; m < M; m++) xv[m] = load_f(x + m * K + k);                                              \
+            for (int r = 0; r < RN; r++) __builtin_prefetch(q + (RN + r) * K + k, 0, 0);  /* the next tile's row */  \
+            for (int r = 0; r < RN; r++) { const vf w = SRC; for (int m = 0; m < M; m++) acc[m][r] += xv[m] * w; }   \
+        }                                                                                                           \
     }                                                                                                               \
     for (int m = 0; m < M; m++) for (int r = 0; r < RN; r++)                                                        \
         y[m * N + r] = ng > 1 ? hsum(acc[m][r]) + (b ? b[r] : 0.f) : __builtin_fmaf(hsum(acc[m][r]), s[r], b ? b[r] : 0.f); \
 }
 #define PASSES(NAME, SRC) PASS(NAME, SRC, 1, 4) PASS(NAME, SRC, 2, 4) PASS(NAME, SRC, 1, 1) PASS(NAME, SRC, 2, 1)  \
                           PASS(NAME, SRC, 3, 4) PASS(NAME, SRC, 4, 4) PASS(NAME, SRC, 3, 1) PASS(NAME, SRC, 4, 1)
-PASSES(ipass, weight(q, s, K, gs, ng, r, k))
+PASSES(ipass, weight(q, sg[r], K, ng, r, k))
 PASSES(fpass, load_f(wf + r * K + k))
 typedef void (*pass_fn)(const float *, const int8_t *, const float *, const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t);
 static const pass_fn passes[2][2][5] = {{{0, ipass_1_1, ipass_2_1, ipass_3_1, ipass_4_1}, {0, ipass_1_4, ipass_2_4, ipass_3_4, ipass_4_4}},
@@ -192,7 +203,7 @@ void linear_int8(const float *x, const int8_t *q, const float *s, const float *b
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t n = 4 * t, rn = N - n < 4 ? N - n : 4;
                 if (widened) for (int r = 0; r < rn; r++) for (int64_t k = 0; k < K; k += VL) {
-                    const vf w = weight(q + n * K, s + n * ng, K, gs, ng, r, k); memcpy(wf + r * K + k, &w, sizeof w);
+                    const vf w = weight(q + n * K, s[(n + r) * ng + k / gs], K, ng, r, k); memcpy(wf + r * K + k, &w, sizeof w);
                 }
                 for (int64_t i = 0; i < rn; i += (rn == 4 ? 4 : 1))   /* a last tile of 1-3 rows goes row by row */
                     for (int64_t m = m0; m < m1; m += MX) {
@@ -213,24 +224,29 @@ def int8_kernels() -> ctypes.CDLL | None:
     P, S = ctypes.c_void_p, ctypes.c_int64
     return load_library(INT8_KERNELS_C, "int8_kernels", {"int8_lanes": ([], S), "linear_int8": ([P] * 5 + [S] * 4 + [ctypes.c_int], None)})
 
-def int8_kernel_applies(x: torch.Tensor, layer: Int8Linear) -> bool:
-    "CPU float32 activations, the kernels built, and sizes that are whole vectors."
+@functools.cache
+def int8_lanes() -> int:
+    "Floats per vector in the built kernel (16 with AVX-512, 8 with AVX/AVX2, else 4); 0 where it is not built."
     lib = int8_kernels()
-    return lib is not None and x.device.type == "cpu" and x.dtype == torch.float32 and layer.qweight.device.type == "cpu" \
-        and layer.in_features % lib.int8_lanes() == 0 and layer.group_size % lib.int8_lanes() == 0
+    return lib.int8_lanes() if lib is not None else 0
+
+def int8_kernel_applies(x: torch.Tensor, layer: Int8Linear) -> bool:
+    "CPU float32 activations, and a layer the kernel takes (CPU, in_features and group_size in whole vectors, float32 bias)."
+    return x.dtype == torch.float32 and x.device.type == "cpu" and layer.kernel_ok and layer.qweight.device.type == "cpu"
 
 def linear_int8(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
-    "`layer(x)` by the C kernel, for CPU float32 `x` [..., in_features] (check `int8_kernel_applies` first)."
-    if not int8_kernel_applies(x, layer): raise ValueError("linear_int8 needs CPU float32 x, the int8 kernels built, and in_features and group_size in whole vectors")
-    x = x.contiguous()
+    "`layer(x)` by the C kernel, for CPU float32 `x` [..., in_features] (where `int8_kernel_applies`)."
+    if not int8_kernel_applies(x, layer): raise ValueError("linear_int8 needs CPU float32 x, the int8 kernel built, and in_features and group_size in whole vectors")
+    return _linear_int8(x, layer)
+
+def _linear_int8(x, layer):
+    x, q, s, b = x.contiguous(), layer.qweight, layer.scale, layer.bias   # module attributes are slow: each read once
     y = x.new_empty(*x.shape[:-1], layer.out_features)
-    b = layer.bias.detach().float().contiguous() if layer.bias is not None else None
-    int8_kernels().linear_int8(x.data_ptr(), layer.qweight.data_ptr(), layer.scale.data_ptr(), b.data_ptr() if b is not None else None,
-                               y.data_ptr(), x.numel() // layer.in_features, layer.out_features, layer.in_features, layer.group_size,
-                               torch.get_num_threads())
+    int8_kernels().linear_int8(x.data_ptr(), q.data_ptr(), s.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(),
+                               x.numel() // layer.in_features, layer.out_features, layer.in_features, layer.group_size, torch.get_num_threads())
     return y
 
-# %% ../nbs/08_quantization.ipynb #2da2c965
+# %% ../nbs/08_quantization.ipynb #d723a46d
 def quantize_kv(x: torch.Tensor) -> torch.Tensor:
     "K or V [..., D] -> int8 [..., D + 4]: symmetric int8 per vector, its float32 scale in the last 4 bytes."
     scale = x.detach().float().abs().amax(-1, keepdim=True) / 127
@@ -251,17 +267,22 @@ class Int8KVAttention(AttentionBackend):
     def token_bytes(self, cfg, dtype) -> int: return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.head_dim + 4)
 
     def plan(self, step: StepInputs, block_size: int):
-        "The blocks this step reads, and the step as `inner` sees it: block tables renumbered into their dequantized copy."
+        """The blocks this step reads, where its new tokens land in their dequantized copy, and the step as `inner` sees
+        it: block tables renumbered into that copy."""
         used, local = step.block_tables.unique(return_inverse=True)
+        B = block_size
+        slots = torch.searchsorted(used, step.slot_mapping // B) * B + step.slot_mapping % B
         inner = replace(step, block_tables=local)
         inner.attn = self.inner.plan(inner, block_size)
-        return used, inner
+        return used, slots, inner
 
     def store(self, k_pool, v_pool, k, v, step: StepInputs):
-        k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, step.slot_mapping, quantize_kv(k))
-        v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, step.slot_mapping, quantize_kv(v))
+        kq, vq = quantize_kv(torch.stack([k, v]))        # one pass over both
+        k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, step.slot_mapping, kq)
+        v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, step.slot_mapping, vq)
 
     def attend(self, q, k_pool, v_pool, k, v, step: StepInputs) -> torch.Tensor:
-        used, inner = step.attn
+        "Attention as `inner` computes it over the step's blocks dequantized; the new K/V, too, as stored (quantized)."
+        used, slots, inner = step.attn
         kd, vd = (dequantize_kv(p.index_select(0, used), q.dtype) for p in (k_pool, v_pool))
-        return self.inner.attend(q, kd, vd, dequantize_kv(quantize_kv(k), q.dtype), dequantize_kv(quantize_kv(v), q.dtype), inner)
+        return self.inner.attend(q, kd, vd, kd.flatten(0, 1)[slots], vd.flatten(0, 1)[slots], inner)
