@@ -9,11 +9,11 @@ __all__ = ['INT8_KERNELS_C', 'quantize_int8', 'dequantize_int8', 'Int8Linear', '
            'quantize_model', 'int8_kernels', 'int8_lanes', 'int8_kernel_applies', 'linear_int8', 'quantize_kv',
            'dequantize_kv', 'Int8KVAttention']
 
-# %% ../nbs/08_quantization.ipynb #a4821dce
+# %% ../nbs/08_quantization.ipynb #e660d4de
 import copy, ctypes, functools
 from dataclasses import replace
 
-# %% ../nbs/08_quantization.ipynb #e6bda7b8
+# %% ../nbs/08_quantization.ipynb #c3d764a7
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -21,7 +21,7 @@ from .model import Attention, MLP, CausalLM, ModelConfig
 from .paged_attention import AttentionBackend, StepInputs, TorchAttention
 from .cpu_kernels import load_library
 
-# %% ../nbs/08_quantization.ipynb #a81e295b
+# %% ../nbs/08_quantization.ipynb #a651a358
 def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 of `w` [N, K]: `q` [N, K] int8 and float32 scales [N, K // group_size], one per output channel
     with `group_size=None`; `w ≈ q * scale`, off by at most scale / 2."""
@@ -38,12 +38,13 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -
     N, K = q.shape
     return (q.view(N, scale.shape[1], -1).to(dtype) * scale[..., None].to(dtype)).view(N, K)
 
-# %% ../nbs/08_quantization.ipynb #c75a1141
+# %% ../nbs/08_quantization.ipynb #a8a52bc2
 class Int8Linear(nn.Module):
     "`nn.Linear` with an int8 weight and float32 scales (per output channel, or per group of `group_size` inputs)."
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        if group_size and self.in_features % group_size: group_size = None   # groups must tile the row: else one scale a row
         self.group_size = group_size or self.in_features
         q, s = quantize_int8(weight, group_size)
         self.register_buffer("qweight", q)
@@ -60,7 +61,7 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self): return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, bias={self.bias is not None}"
 
-# %% ../nbs/08_quantization.ipynb #9f193454
+# %% ../nbs/08_quantization.ipynb #65a41abb
 class Int8Embedding(nn.Module):
     "Embedding rows looked up in an `Int8Linear`'s int8 weight and dequantized: a tied LM head and embedding share one copy."
     def __init__(self, table: Int8Linear, dtype=torch.float32): super().__init__(); self.table, self.dtype = table, dtype
@@ -98,9 +99,10 @@ def _quantized(m: nn.Module, group_size):
     if isinstance(m, nn.Linear): return Int8Linear(m.weight, m.bias, group_size)
     return None
 
-def quantize_model(model: CausalLM, group_size: int | None = None) -> CausalLM:
-    """A copy of `model` with int8 weights (W8A16) in every linear layer and the LM head (and a tied embedding);
-    norms and the untied embedding stay as they are. `model` itself is left as it was."""
+def quantize_model(model: CausalLM, group_size: int | None = 64) -> CausalLM:
+    """A copy of `model` with int8 weights (W8A16) in every linear layer and the LM head (and a tied embedding): a scale
+    per group of `group_size` inputs where that divides the layer's inputs, else (and with None) per output channel.
+    Norms and an untied embedding stay as they are; `model` itself is left as it was."""
     def convert(m):
         new = _quantized(m, group_size)
         if new is not None: return new
@@ -111,7 +113,7 @@ def quantize_model(model: CausalLM, group_size: int | None = None) -> CausalLM:
     if model.config.tie_word_embeddings: q.model.embed_tokens = Int8Embedding(q.lm_head, model.dtype)
     return q
 
-# %% ../nbs/08_quantization.ipynb #01de8640
+# %% ../nbs/08_quantization.ipynb #0a60ade4
 INT8_KERNELS_C = r"""
 #include <stdint.h>
 #include <stdlib.h>
@@ -246,7 +248,7 @@ def _linear_int8(x, layer):
                                x.numel() // layer.in_features, layer.out_features, layer.in_features, layer.group_size, torch.get_num_threads())
     return y
 
-# %% ../nbs/08_quantization.ipynb #d723a46d
+# %% ../nbs/08_quantization.ipynb #8cd9fe75
 def quantize_kv(x: torch.Tensor) -> torch.Tensor:
     "K or V [..., D] -> int8 [..., D + 4]: symmetric int8 per vector, its float32 scale in the last 4 bytes."
     scale = x.detach().float().abs().amax(-1, keepdim=True) / 127
