@@ -173,7 +173,7 @@ static void NAME##_##M##_##RN(const float *x, const int8_t *q, const float *wf, 
         for (int64_t k = g * gs; k < (g + 1) * gs; k += VL) {                                                       \
             vf xv[M];                                                                                               \
             for (int m = 0; m < M; m++) xv[m] = load_f(x + m * K + k);                                              \
-            for (int r = 0; r < RN; r++) __builtin_prefetch(q + (RN + r) * K + k, 0, 0);  /* the next tile's row */  \
+            for (int r = 0; r < RN; r++) __builtin_prefetch(q + (RN + r) * K + k, 0, 3);  /* the next tile's row */  \
             for (int r = 0; r < RN; r++) { const vf w = SRC; for (int m = 0; m < M; m++) acc[m][r] += xv[m] * w; }   \
         }                                                                                                           \
     }                                                                                                               \
