@@ -114,7 +114,8 @@ def test_int8_kv_attention_equals_float_attention_over_dequantized(inner):
     """Attention through an int8 pool equals chapter 2's float attention over a pool holding the dequantized values,
     for a step mixing decode rows and prompt chunks (one starting its sequence, one continuing)."""
     from mini_infer.engine import load_backend
-    backend = load_backend(inner, "cpu", torch.float32)
+    try: backend = load_backend(inner, "cpu", torch.float32)
+    except ValueError: pytest.skip(f"the {inner} backend does not run here")
     cfg, B = TINY, 4
     D, Hq, Hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     q8 = PagedKVCache(cfg, 24, B, backend=Int8KVAttention(backend.attention()))
