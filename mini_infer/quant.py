@@ -120,14 +120,17 @@ INT8_KERNELS_C = r"""
 #include <string.h>
 #if defined(__AVX512F__)
 #define VL 16
-#define MX 4
 #elif defined(__AVX__)
 #define VL 8
-#define MX 2
 #else
 #define VL 4
-#define MX 2
 #endif
+#if defined(__AVX512F__)
+#define MXW 4       /* rows of x per pass over a widened tile: 4 x 4 partial sums in registers (2 x 4 on narrower CPUs) */
+#else
+#define MXW 2
+#endif
+#define MX 2        /* rows of x per pass over the int8 tile itself (decoding: M is small) */
 typedef float vf __attribute__((vector_size(4 * VL)));
 
 int64_t int8_lanes(void) { return VL; }
@@ -152,37 +155,33 @@ static inline float hsum(vf v) {   /* pairwise: log2(VL) dependent additions, no
 
 static inline vf load_f(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 
-/* The weight vector at column k of row r, widened, times its group's scale sg where there are groups (ng > 1; with one
-   scale a row, ng = 1, the scale multiplies the finished sum instead). */
-static inline vf weight(const int8_t *q, float sg, int64_t K, int64_t ng, int r, int64_t k) {
-    const vf w = widen(q + r * K + k);
-    return ng > 1 ? w * sg : w;
-}
-
 /* RN rows of y (from row n of W) for M <= MX rows of x: each weight vector feeds M FMAs. SRC is the weight vector at
-   (r, k): widened from int8 here, or read from a tile already widened by `weight`: the same numbers either way. The
-   scale and bias go in with one explicit fmaf, which the compiler cannot contract differently in different passes. */
+   (r, k): widened from int8 here, or read from a tile already widened: the same numbers either way. Each group of gs
+   columns sums into `part`, which is scaled once into `acc` (a multiply per group, not per weight vector); with one
+   scale a row (ng = 1) the scale and bias go in with one explicit fmaf at the end. */
 #define PASS(NAME, SRC, M, RN)                                                                                      \
 static void NAME##_##M##_##RN(const float *x, const int8_t *q, const float *wf, const float *s, const float *b,      \
                               float *y, int64_t N, int64_t K, int64_t gs, int64_t ng) {                             \
     vf acc[M][RN];                                                                                                  \
     for (int m = 0; m < M; m++) for (int r = 0; r < RN; r++) acc[m][r] = (vf){0};                                   \
     for (int64_t g = 0; g < ng; g++) {                                                                              \
-        float sg[RN];                                                                                               \
-        for (int r = 0; r < RN; r++) sg[r] = s[r * ng + g];                                                         \
+        vf part[M][RN];                                                                                             \
+        for (int m = 0; m < M; m++) for (int r = 0; r < RN; r++) part[m][r] = (vf){0};                              \
         for (int64_t k = g * gs; k < (g + 1) * gs; k += VL) {                                                       \
             vf xv[M];                                                                                               \
             for (int m = 0; m < M; m++) xv[m] = load_f(x + m * K + k);                                              \
-            for (int r = 0; r < RN; r++) __builtin_prefetch(q + (RN + r) * K + k, 0, 3);  /* the next tile's row */  \
-            for (int r = 0; r < RN; r++) { const vf w = SRC; for (int m = 0; m < M; m++) acc[m][r] += xv[m] * w; }   \
+            if (k % 64 == 0) for (int r = 0; r < RN; r++) __builtin_prefetch(q + (RN + r) * K + k, 0, 3);  /* next tile */ \
+            for (int r = 0; r < RN; r++) { const vf w = SRC; for (int m = 0; m < M; m++) part[m][r] += xv[m] * w; }  \
         }                                                                                                           \
+        for (int m = 0; m < M; m++) for (int r = 0; r < RN; r++)                                                    \
+            if (ng > 1) acc[m][r] += part[m][r] * s[r * ng + g]; else acc[m][r] = part[m][r];                       \
     }                                                                                                               \
     for (int m = 0; m < M; m++) for (int r = 0; r < RN; r++)                                                        \
         y[m * N + r] = ng > 1 ? hsum(acc[m][r]) + (b ? b[r] : 0.f) : __builtin_fmaf(hsum(acc[m][r]), s[r], b ? b[r] : 0.f); \
 }
 #define PASSES(NAME, SRC) PASS(NAME, SRC, 1, 4) PASS(NAME, SRC, 2, 4) PASS(NAME, SRC, 1, 1) PASS(NAME, SRC, 2, 1)  \
                           PASS(NAME, SRC, 3, 4) PASS(NAME, SRC, 4, 4) PASS(NAME, SRC, 3, 1) PASS(NAME, SRC, 4, 1)
-PASSES(ipass, weight(q, sg[r], K, ng, r, k))
+PASSES(ipass, widen(q + r * K + k))
 PASSES(fpass, load_f(wf + r * K + k))
 typedef void (*pass_fn)(const float *, const int8_t *, const float *, const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t);
 static const pass_fn passes[2][2][5] = {{{0, ipass_1_1, ipass_2_1, ipass_3_1, ipass_4_1}, {0, ipass_1_4, ipass_2_4, ipass_3_4, ipass_4_4}},
@@ -205,11 +204,11 @@ void linear_int8(const float *x, const int8_t *q, const float *s, const float *b
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t n = 4 * t, rn = N - n < 4 ? N - n : 4;
                 if (widened) for (int r = 0; r < rn; r++) for (int64_t k = 0; k < K; k += VL) {
-                    const vf w = weight(q + n * K, s[(n + r) * ng + k / gs], K, ng, r, k); memcpy(wf + r * K + k, &w, sizeof w);
+                    const vf w = widen(q + (n + r) * K + k); memcpy(wf + r * K + k, &w, sizeof w);
                 }
                 for (int64_t i = 0; i < rn; i += (rn == 4 ? 4 : 1))   /* a last tile of 1-3 rows goes row by row */
-                    for (int64_t m = m0; m < m1; m += MX) {
-                        const int mx = m1 - m < MX ? m1 - m : MX;
+                    for (int64_t m = m0, step = widened ? MXW : MX; m < m1; m += step) {
+                        const int mx = m1 - m < step ? m1 - m : step;
                         passes[widened][rn == 4][mx](x + m * K, q + (n + i) * K, wf + i * K, s + (n + i) * ng, b ? b + n + i : 0,
                                                      y + m * N + n + i, N, K, gs, ng);
                     }
