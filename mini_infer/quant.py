@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .model import Attention, MLP, CausalLM, ModelConfig
+from .model import Attention, MLP, CausalLM
 from .paged_attention import AttentionBackend, StepInputs, TorchAttention
 from .cpu_kernels import load_library
 
