@@ -784,6 +784,6 @@ class CPUBackend:
     @staticmethod
     def available(device, dtype) -> bool: return CPUAttention.supports(device, dtype)
     def prepare(self, model: nn.Module) -> nn.Module:
-        return with_cpu_kernels(model) if model.lm_head.weight.dtype == torch.float32 and cpu_kernels() is not None else model
+        return with_cpu_kernels(model) if model.dtype == torch.float32 and cpu_kernels() is not None else model
     def attention(self) -> CPUAttention: return CPUAttention()
     def extra_bytes(self, model: nn.Module) -> int: return packed_bytes(model)

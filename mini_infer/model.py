@@ -240,7 +240,7 @@ class CausalLM(nn.Module):
         return self.lm_head(self.model.norm(x)).float()
 
     @property
-    def device(self): return self.lm_head.weight.device
+    def device(self): return self.model.norm.weight.device
 
     @property
-    def dtype(self): return self.lm_head.weight.dtype
+    def dtype(self): return self.model.norm.weight.dtype   # the activations' dtype, whatever the linear layers store (chapter 8)

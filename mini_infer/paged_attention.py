@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from .model import causal_attention
+from .memory_plan import kv_bytes_per_token
 
 # %% ../nbs/02_paged_cache.ipynb #70a7de32
 @dataclass
@@ -76,6 +77,12 @@ class AttentionBackend:
     def supports(device, dtype) -> bool: return True
 
     def allocate(self, shape, dtype, device) -> torch.Tensor: return torch.zeros(shape, dtype=dtype, device=device)
+
+    note = ""   # what the pool stores, for the memory plan, where it is not K/V in the model's dtype (chapter 8's int8)
+
+    def token_bytes(self, cfg, dtype) -> int:
+        "Bytes of one token's K and V in the pools `allocate` makes, all layers."
+        return kv_bytes_per_token(cfg, dtype)
 
     def plan(self, step: StepInputs, block_size: int): return None
 

@@ -1,0 +1,175 @@
+"""Chapter 8: int8 weights and the int8 KV cache. The PyTorch dequantize-then-matmul path is the oracle for the C kernel,
+float attention over the dequantized pool is the oracle for int8-KV attention, and chapter 1's loop is the oracle for
+the engine with int8 weights."""
+import pytest, torch
+from hypothesis import given, settings, strategies as st
+
+from mini_infer.block_manager import BlockAllocator, BlockTable
+from mini_infer.engine import EngineConfig, LLMEngine
+from mini_infer.kv_cache import PagedKVCache
+from mini_infer.llm import LLM, run_to_completion
+from mini_infer.model import CausalLM, ModelConfig
+from mini_infer.paged_attention import TorchAttention
+from mini_infer.quant import (Int8KVAttention, Int8Linear, dequantize_int8, dequantize_kv, int8_kernels, linear_int8,
+                              quantize_int8, quantize_kv, quantize_model)
+from mini_infer.reference import generate
+from mini_infer.sampling import SamplingParams
+
+TINY = ModelConfig(vocab_size=151, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, architecture="Qwen2ForCausalLM", attention_bias=True, max_position_embeddings=256)
+
+
+class NoText:
+    eos_token_ids = []
+    def decode(self, ids, skip_special_tokens=True): return ""
+
+
+def tiny_model(tied=False):
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(**{**TINY.__dict__, "tie_word_embeddings": tied})).eval()
+    with torch.no_grad():
+        for p in model.parameters(): p.mul_(4)     # decisive argmaxes
+    return model
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(1, 9), groups=st.integers(1, 4), g=st.sampled_from([None, 4, 16]), scale=st.floats(1e-3, 1e3),
+       outlier=st.booleans(), seed=st.integers(0, 2**16))
+def test_round_trip_within_half_a_step(n, groups, g, scale, outlier, seed):
+    "Every dequantized weight is within half a quantization step (scale / 2) of the original; zero rows stay zero."
+    K = groups * (g or 8)
+    w = torch.randn(n, K, generator=torch.Generator().manual_seed(seed)) * scale
+    if outlier: w[0, 0] = 100 * scale
+    w[-1] = 0
+    q, s = quantize_int8(w, g)
+    assert q.dtype == torch.int8 and s.shape == (n, K // (g or K)) and q.abs().max() <= 127
+    step = s.repeat_interleave(K // s.shape[1], 1)
+    assert ((dequantize_int8(q, s) - w).abs() <= step / 2 * (1 + 1e-6)).all()
+    assert (dequantize_int8(q, s)[-1] == 0).all()
+    p = quantize_kv(w.view(n, -1, 4))
+    kv_step = w.view(n, -1, 4).abs().amax(-1, keepdim=True) / 127
+    assert ((dequantize_kv(p) - w.view(n, -1, 4)).abs() <= kv_step / 2 * (1 + 1e-6) + 1e-30).all()
+
+
+def test_group_size_must_divide():
+    with pytest.raises(ValueError, match="must divide"): quantize_int8(torch.randn(4, 96), 64)
+
+
+needs_kernel = pytest.mark.skipif(int8_kernels() is None, reason="the int8 C kernel does not build here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("g", [None, 64])
+@pytest.mark.parametrize("N,K,bias", [(37, 64, True), (256, 576, False), (101, 1536, True)])
+def test_kernel_equals_dequantize_then_matmul(N, K, bias, g):
+    """`linear_int8` equals F.linear over the dequantized weight within float32 summation error: |y - ref| <=
+    2 K 2^-24 (|x| @ |W|.T), both sums being K products each rounded once. Rows are computed alike in any batch: bit-equal."""
+    if g and K % g: pytest.skip("group does not divide K")
+    torch.manual_seed(N + K)
+    layer = Int8Linear(torch.randn(N, K), torch.randn(N) if bias else None, g)
+    w = layer.dequantized()
+    for M in (1, 2, 3, 4, 5, 64, 65, 130):
+        x = torch.randn(M, K)
+        y, ref = linear_int8(x, layer), torch.nn.functional.linear(x, w, layer.bias)
+        assert ((y - ref).abs() <= 2 * K * 2**-24 * (x.abs() @ w.abs().T) + 1e-6).all()
+        assert torch.equal(y[-1], linear_int8(x[-1:], layer)[0]) and torch.equal(y[:3], linear_int8(x[:3], layer))
+
+
+def test_quantized_model_shares_the_tied_table_and_leaves_the_original():
+    model = tiny_model(tied=True)
+    q = quantize_model(model)
+    assert q.model.embed_tokens.table is q.lm_head and type(model.lm_head) is torch.nn.Linear
+    assert q.dtype == torch.float32 and q.device.type == "cpu"
+    ids = torch.tensor([3, 150, 7])
+    torch.testing.assert_close(q.model.embed_tokens(ids), q.lm_head.dequantized()[ids])
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_int8_engine_batched_equals_alone(backend, tied):
+    "Greedy tokens of the engine with int8 weights, batched and chunked, equal chapter 1's loop over the same quantized model."
+    model = tiny_model(tied)
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, 151, (n,)).tolist() for n in (3, 17, 40, 9, 25)]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(prompts)
+    ref = [o.token_ids for o in generate(quantize_model(model), NoText(), prompts, params)]
+    for kw in (dict(), dict(max_num_batched_tokens=16, max_prefill_chunk=8)):
+        eng = LLMEngine(model, NoText(), num_blocks=64, block_size=4, quantization="int8", backend=backend, **kw)
+        assert [o.token_ids for o in run_to_completion(eng, prompts, params)] == ref
+
+
+def test_int8_smollm_batched_equals_alone():
+    "The bundled SmolLM2 with int8 weights: each request's greedy tokens are the same in a batch of 8 as alone."
+    llm = LLM("smollm2-135m", quantization="int8", kv_cache_memory_gb=0.1)
+    torch.manual_seed(2)
+    prompts = [torch.randint(100, 40000, (n,)).tolist() for n in (5, 30, 12, 60, 8, 21, 3, 44)]
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)] * len(prompts)
+    batched = [o.token_ids for o in llm.generate(prompts, params)]
+    assert batched == [llm.generate([p], params[0])[0].token_ids for p in prompts]
+
+
+
+@pytest.mark.parametrize("inner", ["torch", "cpu"])
+def test_int8_kv_attention_equals_float_attention_over_dequantized(inner):
+    """Attention through an int8 pool equals chapter 2's float attention over a pool holding the dequantized values,
+    for a step mixing decode rows and prompt chunks (one starting its sequence, one continuing)."""
+    from mini_infer.engine import load_backend
+    try: backend = load_backend(inner, "cpu", torch.float32)
+    except ValueError: pytest.skip(f"the {inner} backend does not run here")
+    cfg, B = TINY, 4
+    D, Hq, Hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    q8 = PagedKVCache(cfg, 24, B, backend=Int8KVAttention(backend.attention()))
+    alloc, tables, gen = BlockAllocator(24), [], torch.Generator().manual_seed(4)
+    rows = []   # (new tokens, start): two decodes with context, a chunk continuing a sequence, a chunk starting one
+    for n, start in ((1, 9), (1, 14), (6, 5), (7, 0)):
+        t = BlockTable(B); t.append(start + n, alloc); tables.append(t)
+        rows.append(([0] * n, start, t, 1))
+    # fill the earlier positions of each sequence through a first step
+    first = [([0] * s, 0, t, 1) for (_, s, t, _) in rows if s]
+    step0 = q8.make_step(first)
+    T0 = sum(s for _, s, _, _ in rows)
+    k0, v0 = (torch.randn(T0, Hkv, D, generator=gen) * 3 for _ in range(2))
+    for layer in range(cfg.num_hidden_layers): q8.backend.store(q8.k[layer], q8.v[layer], k0, v0, step0)
+    step = q8.make_step(rows)
+    T = sum(len(r[0]) for r in rows)
+    q, k, v = (torch.randn(T, h, D, generator=gen) for h in (Hq, Hkv, Hkv))
+    out = q8.attend(0, q, k, v, step)
+    ref = PagedKVCache(cfg, 24, B, backend=TorchAttention())
+    ref.k[0], ref.v[0] = dequantize_kv(q8.k[0]), dequantize_kv(q8.v[0])   # the int8 pool now holds this step's K/V too
+    ref_step = ref.make_step(rows)
+    expected = TorchAttention().attend(q, ref.k[0], ref.v[0], dequantize_kv(quantize_kv(k)), dequantize_kv(quantize_kv(v)), ref_step)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_int8_kv_engine_matches_float_mostly_and_holds_more_tokens():
+    "With the int8 KV cache the pool holds (D + 4) / (4 D) of the bytes a token: 3.76x the tokens for head_dim 64."
+    f = LLM("smollm2-135m", kv_cache_memory_gb=0.05)
+    i = LLM("smollm2-135m", kv_cache_memory_gb=0.05, kv_cache_dtype="int8", quantization="int8")
+    assert f.engine.memory.block_bytes / i.engine.memory.block_bytes == 4 * 64 / (64 + 4)
+    assert i.engine.memory.num_tokens >= 3.7 * f.engine.memory.num_tokens and "int8" in str(i.engine.memory)
+    assert i.engine.memory.weights_bytes < 0.3 * f.engine.memory.weights_bytes
+    p = SamplingParams(temperature=0, max_tokens=8)
+    assert i.generate("The capital of France is", p)[0].text.strip().startswith("Paris")
+
+
+@pytest.mark.parametrize("kw,match", [(dict(quantization="int4"), "unsupported quantization 'int4'; supported: None, int8"),
+                                      (dict(quantization="INT8"), "supported: None, int8"),
+                                      (dict(kv_cache_dtype="fp8"), "unsupported kv_cache_dtype 'fp8'; supported: auto, int8")])
+def test_bad_values_name_what_is_supported(kw, match):
+    with pytest.raises(ValueError, match=match): EngineConfig(**kw)
+    with pytest.raises(ValueError, match=match): LLM("smollm2-135m", **kw)
+
+
+def test_serving_int8_with_the_openai_client(tmp_path_factory):
+    "A server started with int8 weights and KV cache answers the openai client with what `LLM` answers offline."
+    from openai import OpenAI
+    from test_server import MSGS, _start
+    proc, url = _start(tmp_path_factory, quantization="int8", kv_cache_dtype="int8", kv_cache_memory_gb=0.1)
+    try:
+        client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(model="smollm2-135m", messages=MSGS, max_tokens=12, temperature=0)
+        offline = LLM("smollm2-135m", quantization="int8", kv_cache_dtype="int8", kv_cache_memory_gb=0.1)
+        assert r.choices[0].message.content == offline.chat(MSGS, SamplingParams(temperature=0, max_tokens=12))[0].text
+        assert "Paris" in r.choices[0].message.content
+    finally:
+        proc.terminate(); proc.wait(timeout=30)
