@@ -99,7 +99,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence):
         "Roll the victim back to nothing computed, its blocks freed, and put it at the front of the queue to be recomputed."
-        seq.truncate(0, self.allocator)
+        seq.truncate(0, self.allocator); seq.spec_token_ids.clear()
         seq.status, seq.num_preemptions = SeqStatus.PREEMPTED, seq.num_preemptions + 1
         self.running.remove(seq)
         self.waiting.appendleft(seq)
