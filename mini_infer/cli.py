@@ -20,7 +20,8 @@ def _sampling(a):
 
 def _llm(a, **engine_kwargs):
     from mini_infer.llm import LLM
-    return LLM(a.model, device=a.device, dtype=a.dtype, backend=a.backend, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, **engine_kwargs)
+    return LLM(a.model, device=a.device, dtype=a.dtype, backend=a.backend, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
+               speculative_config=a.speculative_config, **engine_kwargs)
 
 def cmd_generate(a):
     "Complete each prompt and print the completions."
@@ -91,9 +92,16 @@ def cmd_serve(a):
     serve(a.model, host=a.host, port=a.port, api_key=a.api_key, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
           kv_cache_memory_gb=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization, dtype=a.dtype, device=a.device,
           max_waiting=a.max_waiting, backend=a.backend, enable_prefix_caching=a.enable_prefix_caching, quantization=a.quantization,
-          kv_cache_dtype=a.kv_cache_dtype)
+          kv_cache_dtype=a.kv_cache_dtype, speculative_config=a.speculative_config)
 
 # %% ../nbs/90_cli.ipynb #be36cd5a
+def _json_object(text: str) -> dict:
+    "A JSON object given on the command line."
+    try: d = json.loads(text)
+    except json.JSONDecodeError as e: raise argparse.ArgumentTypeError(f"not valid JSON: {e}")
+    if not isinstance(d, dict): raise argparse.ArgumentTypeError("expected a JSON object")
+    return d
+
 def _model_args(p):
     p.add_argument("--model", "-m", default=None, help="Hub id, local directory, .gguf file or 'smollm2-135m' (default: Qwen2.5-0.5B-Instruct if available, else the bundled SmolLM2)")
     p.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
@@ -102,6 +110,8 @@ def _model_args(p):
                    help="torch (plain PyTorch), cpu (chapter 7's C kernels), or auto: the kernels where they build, else PyTorch")
     p.add_argument("--quantization", "-q", default=None, help="int8: weights stored in int8, one scale per output channel (default: as loaded)")
     p.add_argument("--kv-cache-dtype", default="auto", help="int8: K/V stored in int8, a scale per token and head (default auto: the model's dtype)")
+    p.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' or {"method": "draft_model", "model": NAME, ...}')
 
 def _sampling_args(p):
     p.add_argument("--max-tokens", type=int, default=256)

@@ -136,7 +136,8 @@ class Metrics:
               "waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
               "kv_blocks_used": ("kv_blocks_used", "KV-cache blocks in use."),
               "kv_blocks_free": ("kv_blocks_free", "KV-cache blocks free (including cached blocks no request holds)."),
-              "kv_blocks_cached": ("kv_blocks_cached", "KV-cache blocks no request holds that keep a cached prefix.")}
+              "kv_blocks_cached": ("kv_blocks_cached", "KV-cache blocks no request holds that keep a cached prefix."),
+              "spec_decode_draft_acceptance_rate": ("spec_decode_draft_acceptance_rate", "Guessed tokens kept / guessed tokens (chapter 5).")}
     COUNTERS = {"preemptions_total": ("num_preemptions", "Requests preempted to free KV blocks."),
                 "prompt_tokens_total": ("prompt_tokens", "Prompt tokens prefilled."),
                 "generation_tokens_total": ("generation_tokens", "Tokens generated."),
@@ -145,7 +146,10 @@ class Metrics:
                 "prefix_cache_hits_total": ("prefix_cache_hits", "Tokens found in the prefix cache."),
                 "prefix_cache_preempted_queries_total": ("prefix_cache_preempted_queries", "Tokens of resumed preempted requests looked up."),
                 "prefix_cache_preempted_hits_total": ("prefix_cache_preempted_hits", "Tokens of resumed preempted requests found again."),
-                "prefix_cache_evictions_total": ("prefix_cache_evictions", "Cached blocks evicted for fresh ones.")}
+                "prefix_cache_evictions_total": ("prefix_cache_evictions", "Cached blocks evicted for fresh ones."),
+                "spec_decode_num_draft_tokens_total": ("spec_decode_num_draft_tokens", "Tokens guessed and verified (speculative decoding)."),
+                "spec_decode_num_accepted_tokens_total": ("spec_decode_num_accepted_tokens", "Guessed tokens the target kept."),
+                "spec_decode_num_emitted_tokens_total": ("spec_decode_num_emitted_tokens", "Tokens produced by steps that verified guesses.")}
 
     def __init__(self, prefix: str = "mini_infer_"):
         self.prefix, self.lock = prefix, threading.Lock()
@@ -510,13 +514,14 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, a
           max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None, kv_cache_memory_gb: float | None = None,
           gpu_memory_utilization: float | None = None, dtype: str | None = None, device: str | None = None,
           max_waiting: int = 1024, max_body_bytes: int = 2 * 2**20, served_model_name: str | None = None, log_level: str = "info",
-          backend: str = "auto", enable_prefix_caching: bool = True, quantization: str | None = None, kv_cache_dtype: str = "auto"):
+          backend: str = "auto", enable_prefix_caching: bool = True, quantization: str | None = None, kv_cache_dtype: str = "auto",
+          speculative_config: dict | str | None = None):
     "Load `model` and serve it with an OpenAI-compatible API on http://host:port/v1 (API key from the argument or MINI_INFER_API_KEY)."
     api_key = api_key or os.environ.get("MINI_INFER_API_KEY") or None
     engine_kwargs = {k: v for k, v in dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                      kv_cache_memory_gb=kv_cache_memory_gb, gpu_memory_utilization=gpu_memory_utilization).items() if v is not None}
     llm = LLM(model, device=device, dtype=dtype, backend=backend, enable_prefix_caching=enable_prefix_caching, quantization=quantization,
-              kv_cache_dtype=kv_cache_dtype, **engine_kwargs)
+              kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config, **engine_kwargs)
     app = build_app(llm, model_name=served_model_name, api_key=api_key, max_waiting=max_waiting, max_body_bytes=max_body_bytes)
     st = app.state.engine.stats
     print(f"mini-infer: loaded {app.state.model_name} on {llm.model.device} ({llm.model.dtype}), "

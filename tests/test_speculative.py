@@ -280,3 +280,24 @@ def test_draft_with_another_vocabulary(llm):
     with pytest.raises(ValueError, match="vocabulary"):
         engine(llm, speculative_config=dict(method="draft_model", model=CausalLM(cfg)))
     assert SpeculativeConfig.from_dict('{"method": "ngram", "num_speculative_tokens": 3}').num_speculative_tokens == 3
+
+
+def test_server_with_speculation(llm):
+    "The real `openai` client against a server whose engine guesses: greedy answers, streamed or not, are plain decoding's; /metrics moves."
+    import httpx
+    from openai import OpenAI
+    from mini_infer.server import build_app, ServerThread
+    spec = LLM(engine=engine(llm, speculative_config=dict(method="ngram", num_speculative_tokens=4)))
+    msgs = [{"role": "user", "content": "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the dog sat on the log."}]
+    want = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=40))[0].text
+    srv = ServerThread(build_app(spec, model_name="smol"))
+    try:
+        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        r = client.chat.completions.create(model="smol", messages=msgs, temperature=0, max_tokens=40)
+        assert r.choices[0].message.content == want
+        chunks = client.chat.completions.create(model="smol", messages=msgs, temperature=0, max_tokens=40, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+        metrics = httpx.get(srv.url + "/metrics").text
+        line = lambda name: float(next(l for l in metrics.splitlines() if l.startswith(f"mini_infer_{name} ")).split()[-1])
+        assert line("spec_decode_num_accepted_tokens_total") > 0 and 0 < line("spec_decode_draft_acceptance_rate") <= 1
+    finally: srv.stop()
