@@ -8,12 +8,12 @@ Docs: https://mini-infer.github.io/mini-infer/speculative.html.md"""
 __all__ = ['METHODS', 'VERIFY_TOKEN_COST', 'accept_probs', 'residual', 'rejection_sample', 'SpeculativeConfig', 'NgramProposer',
            'DraftModelProposer', 'expected_tokens', 'choose_k', 'load_draft', 'Speculator']
 
-# %% ../nbs/05_speculative.ipynb #a5ca2be9
+# %% ../nbs/05_speculative.ipynb #c1629f3d
 import json
 from collections import Counter
 from dataclasses import dataclass, fields
 
-# %% ../nbs/05_speculative.ipynb #01298e49
+# %% ../nbs/05_speculative.ipynb #8ac19c30
 import numpy as np
 import torch
 from .model import CausalLM
@@ -23,7 +23,7 @@ from .block_manager import BlockAllocator, BlockTable
 from .kv_cache import PagedKVCache
 from .scheduler import Sequence
 
-# %% ../nbs/05_speculative.ipynb #8ca4bf95
+# %% ../nbs/05_speculative.ipynb #95abe335
 def accept_probs(p: torch.Tensor, x: torch.Tensor, q: torch.Tensor | None = None) -> torch.Tensor:
     "The probability of keeping each guess x: min(1, p(x) / q(x)), and p(x) for a deterministic guess (q one-hot at x)."
     px = p.gather(-1, x.unsqueeze(-1)).squeeze(-1)
@@ -55,7 +55,7 @@ def rejection_sample(p: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tens
         pa = torch.where((accepted < num_draft).unsqueeze(-1), residual(pa, x[rows, j], None if q is None else q[rows, j]), pa)
     return accepted, exponential_race(pa, gens)                            # every guess kept: a bonus token from p
 
-# %% ../nbs/05_speculative.ipynb #5d9e087c
+# %% ../nbs/05_speculative.ipynb #08aa8fd8
 METHODS = ("ngram", "draft_model")
 
 @dataclass
@@ -90,7 +90,7 @@ class SpeculativeConfig:
         if "method" not in d: raise ValueError("speculative_config needs a 'method' (ngram or draft_model)")
         return cls(**d)
 
-# %% ../nbs/05_speculative.ipynb #3b6ff0af
+# %% ../nbs/05_speculative.ipynb #f480ba2d
 class NgramProposer:
     "Prompt lookup: find the sequence's last n tokens earlier in its prompt and output (n from max down to min); guess what followed."
     def __init__(self, n_max: int = 4, n_min: int = 2): self.n_max, self.n_min = n_max, n_min
@@ -109,7 +109,7 @@ class NgramProposer:
 
     def free(self, seq: Sequence): pass
 
-# %% ../nbs/05_speculative.ipynb #d779debf
+# %% ../nbs/05_speculative.ipynb #ed33b9d6
 class DraftModelProposer:
     "A smaller model with the same tokenizer guesses k tokens, one forward each; it keeps its own KV blocks for every sequence."
     def __init__(self, model: CausalLM, attention, num_blocks: int, block_size: int):
@@ -162,7 +162,7 @@ class DraftModelProposer:
         st = self.state.pop(seq, None)
         if st is not None: st["table"].free(self.allocator)
 
-# %% ../nbs/05_speculative.ipynb #1a0f05f2
+# %% ../nbs/05_speculative.ipynb #9e846717
 VERIFY_TOKEN_COST = 0.1   # one more verified token's cost relative to a one-token step, at batch 1 (measured in this chapter)
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -173,7 +173,7 @@ def choose_k(alpha: float, k_max: int, token_cost: float) -> int:
     "The number of guesses with the most tokens per unit of time, a step with k guesses costing 1 + token_cost * k."
     return max(range(k_max + 1), key=lambda k: expected_tokens(alpha, k) / (1 + token_cost * k))
 
-# %% ../nbs/05_speculative.ipynb #1a5f1ca2
+# %% ../nbs/05_speculative.ipynb #81a517f6
 def load_draft(cfg: SpeculativeConfig, model: CausalLM, tokenizer: Tokenizer) -> CausalLM:
     "The draft model of `cfg`, on the target's device and dtype, checked to share the target's vocabulary."
     from mini_infer.loader import load_model
