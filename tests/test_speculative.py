@@ -8,7 +8,7 @@ from mini_infer.llm import LLM, run_to_completion
 from mini_infer.model import CausalLM, ModelConfig
 from mini_infer.reference import generate
 from mini_infer.sampling import SamplingParams
-from mini_infer.speculative import (accept_probs, residual, rejection_sample, choose_k, expected_tokens, NgramProposer,
+from mini_infer.speculative import (accept_probs, residual, rejection_sample, plan_guesses, expected_tokens, NgramProposer,
                                     SpeculativeConfig)
 
 
@@ -90,10 +90,13 @@ def test_seeded_rejection_sampling_is_reproducible():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_choose_k():
-    assert choose_k(1.0, 8, 0.1) == 8 and choose_k(0.0, 8, 0.1) == 0
+def test_plan_guesses():
+    assert plan_guesses([1.0], [8], 0.1) == [8] and plan_guesses([0.0], [8], 0.1) == [0]
     assert expected_tokens(0.5, 2) == 1.75
-    assert choose_k(1.0, 8, 1.1) == 0            # a draft as costly as the target never pays, even when always right
+    assert plan_guesses([1.0], [8], 1.1) == [0]            # a draft as costly as the target never pays, even when always right
+    assert plan_guesses([0.9, 0.3], [4, 4], 0.08) == [4, 1]  # the likelier guesses first
+    one, many = plan_guesses([0.8], [8], 0.08)[0], plan_guesses([0.8] * 32, [8] * 32, 0.08)
+    assert all(k < one for k in many)                        # in a big batch a guess must be likelier to pay
 
 
 def test_ngram_lookup():
