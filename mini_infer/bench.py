@@ -327,7 +327,7 @@ def format_prefix_table(r: dict) -> str:
     lines += [f"{c['turn']:<10d}{c['prompt_tokens']:8d}{100 * c['hit_rate']:9.1f}%{c['on_s']:9.2f}{c['off_s']:9.2f}" for c in r["chat"]]
     return "\n".join(lines)
 
-# %% ../nbs/05_speculative.ipynb #c857a23e
+# %% ../nbs/05_speculative.ipynb #431fcc7c
 from collections import Counter
 from .block_manager import BlockTable
 
@@ -351,7 +351,7 @@ def verify_cost(engine: LLMEngine, ks=range(9), context: int = 256, reps: int = 
     med = {k: sorted(t[1:])[len(t[1:]) // 2] for k, t in times.items()}
     return {k: med[k] / med[0] for k in ks} | {"seconds_k0": med[0]}
 
-# %% ../nbs/05_speculative.ipynb #cf1bd430
+# %% ../nbs/05_speculative.ipynb #cacfd29e
 _PASSAGE = ("Speculative decoding lets a small draft model propose several tokens that the large model then checks in a single "
             "forward pass. Because decoding is limited by memory bandwidth, checking five tokens costs little more than producing "
             "one. Rejection sampling keeps each guess with the right probability, so the output is distributed exactly as the large model's.")
@@ -381,38 +381,44 @@ SPEC_TASKS = {   # name: (input-grounded?, user message)
 def _spec_engine(llm, cfg, **kw) -> LLMEngine:
     return LLMEngine(llm.model, llm.tokenizer, **{"kv_cache_memory_gb": 0.5, **kw}, speculative_config=cfg)
 
+def _side_by_side(engines: dict, run, rounds: int) -> dict:
+    """`run(engine)` -> (outputs, tokens) on every engine in turn, `rounds` times: each engine's best tok/s, its median
+    speedup over engines["plain"] in the same round, and whether every engine's outputs equal plain's."""
+    rates, outs = {e: [] for e in engines}, {}
+    for _ in range(rounds):
+        for e, eng in engines.items():
+            (outs[e], n), wall = _timed(lambda: run(eng), eng.model.device)
+            rates[e].append(n / wall)
+    median = lambda xs: sorted(xs)[len(xs) // 2]
+    return dict(tok_s={e: max(r) for e, r in rates.items()}, speedup={e: median([a / b for a, b in zip(r, rates["plain"])]) for e, r in rates.items()},
+                identical=all(o == outs["plain"] for o in outs.values()), outputs=outs["plain"])
+
 def spec_task_bench(llm, engines: dict, tasks: dict = SPEC_TASKS, max_tokens: int = 128, rounds: int = 2) -> list[dict]:
-    "Each task alone (batch 1, greedy) on every engine in turn, `rounds` times; best tok/s, identical tokens checked."
+    "Each task alone (batch 1, greedy) on every engine in turn; identical tokens checked; the numbers of guesses kept per step."
     rows = []
     for name, (grounded, msg) in tasks.items():
         prompt = llm.tokenizer.encode_chat([{"role": "user", "content": msg}])
-        best, toks, lens = {e: 0.0 for e in engines}, {}, {}
-        for _ in range(rounds):
-            for e, eng in engines.items():
-                before = Counter(eng.speculator.accepted_lengths) if eng.speculator else Counter()
-                out, wall = _timed(lambda: run_to_completion(eng, [prompt], [SamplingParams(temperature=0, max_tokens=max_tokens)]), eng.model.device)
-                best[e], toks[e] = max(best[e], len(out[0].token_ids) / wall), out[0].token_ids
-                if eng.speculator: lens[e] = eng.speculator.accepted_lengths - before
-        rows.append(dict(task=name, grounded=grounded, tokens=len(toks["plain"]), tok_s=best, identical=all(t == toks["plain"] for t in toks.values()),
-                         accepted_lengths=lens, text=llm.tokenizer.decode(toks["plain"])))
+        def run(eng):
+            out = run_to_completion(eng, [prompt], [SamplingParams(temperature=0, max_tokens=max_tokens)])[0].token_ids
+            return out, len(out)
+        before = {e: Counter(eng.speculator.accepted_lengths) for e, eng in engines.items() if eng.speculator}
+        r = _side_by_side(engines, run, rounds)
+        lens = {e: eng.speculator.accepted_lengths - before[e] for e, eng in engines.items() if eng.speculator}
+        rows.append(dict(task=name, grounded=grounded, tokens=len(r["outputs"]), accepted_lengths=lens, text=llm.tokenizer.decode(r["outputs"]), **r))
     return rows
 
 def batch_curve(llm, engines: dict, batch_sizes=(1, 2, 4, 8, 16, 32), max_tokens: int = 64, rounds: int = 2) -> list[dict]:
-    "Greedy throughput at each batch size (the tasks repeated to fill it) on every engine in turn; best of `rounds`."
+    "Greedy throughput at each batch size (the tasks repeated to fill it) on every engine in turn."
     msgs = [m for _, m in SPEC_TASKS.values()]
     rows = []
     for B in batch_sizes:
         prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": msgs[i % len(msgs)]}]) for i in range(B)]
         sp = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)] * B
-        best, toks = {e: 0.0 for e in engines}, {}
-        for _ in range(rounds):
-            for e, eng in engines.items():
-                out, wall = _timed(lambda: run_to_completion(eng, prompts, sp), eng.model.device)
-                best[e], toks[e] = max(best[e], B * max_tokens / wall), [o.token_ids for o in out]
-        rows.append(dict(batch=B, tok_s=best, identical=all(t == toks["plain"] for t in toks.values())))
+        run = lambda eng: ([o.token_ids for o in run_to_completion(eng, prompts, sp)], B * max_tokens)
+        rows.append(dict(batch=B, **_side_by_side(engines, run, rounds)))
     return rows
 
-# %% ../nbs/05_speculative.ipynb #d2bf2bc1
+# %% ../nbs/05_speculative.ipynb #2ccc3fce
 def run_spec_bench(model: str = "smollm2-135m", k: int = 8, max_tokens: int = 128, batch_sizes=(1, 2, 4, 8, 16, 32),
                    batch_tokens: int = 64, rounds: int = 2, device=None, dtype=None, **engine_kwargs) -> dict:
     """Speculative decoding side by side with plain decoding, in one process, on engines over the same weights: c(k), n-gram
@@ -436,9 +442,9 @@ def format_spec_table(r: dict) -> str:
         lens = t["accepted_lengths"].get("ngram", Counter())
         mean = sum(a * n for a, n in lens.items()) / max(1, sum(lens.values()))
         out.append(f"{t['task']:14} {t['tokens']:>6} {t['tok_s']['plain']:>11.1f} {t['tok_s']['ngram']:>11.1f} "
-                   f"{t['tok_s']['ngram'] / t['tok_s']['plain']:>7.2f}x  {'yes' if t['identical'] else 'NO':>4}  {mean:.2f}")
+                   f"{t['speedup']['ngram']:>7.2f}x  {'yes' if t['identical'] else 'NO':>4}  {mean:.2f}")
     out.append(f"{'batch':>5} {'plain tok/s':>11} {'adaptive':>9} {'always k':>9}  same")
     for b in r["batch"]:
         s = b["tok_s"]
-        out.append(f"{b['batch']:>5} {s['plain']:>11.1f} {s['ngram'] / s['plain']:>8.2f}x {s['always'] / s['plain']:>8.2f}x  {'yes' if b['identical'] else 'NO'}")
+        out.append(f"{b['batch']:>5} {s['plain']:>11.1f} {b['speedup']['ngram']:>8.2f}x {b['speedup']['always']:>8.2f}x  {'yes' if b['identical'] else 'NO'}")
     return "\n".join(out)
