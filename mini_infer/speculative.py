@@ -8,22 +8,22 @@ Docs: https://mini-infer.github.io/mini-infer/speculative.html.md"""
 __all__ = ['VERIFY_TOKEN_COST', 'METHODS', 'expected_tokens', 'plan_guesses', 'accept_probs', 'residual', 'rejection_sample',
            'greedy_verify', 'NgramProposer', 'DraftModelProposer', 'SpeculativeConfig', 'load_draft', 'Speculator']
 
-# %% ../nbs/05_speculative.ipynb #98124100
+# %% ../nbs/05_speculative.ipynb #b3f7ee04
 import json
 from collections import Counter
 from dataclasses import dataclass, fields
 
-# %% ../nbs/05_speculative.ipynb #0f06689c
+# %% ../nbs/05_speculative.ipynb #940afda7
 import numpy as np
 import torch
 from .model import CausalLM
 from .tokenizer import Tokenizer
-from .sampling import SamplingParams, Sampler, apply_penalties, exponential_race
+from .sampling import Sampler, apply_penalties, exponential_race
 from .block_manager import BlockAllocator, BlockTable
 from .kv_cache import PagedKVCache
 from .scheduler import Sequence
 
-# %% ../nbs/05_speculative.ipynb #be5325b6
+# %% ../nbs/05_speculative.ipynb #00a8a990
 VERIFY_TOKEN_COST = 0.08  # one more token in a forward, relative to a one-token step (this chapter measures 0.04-0.1 on a CPU)
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -41,7 +41,7 @@ def plan_guesses(alphas: list[float], caps: list[int], token_cost: float) -> lis
         ks[i], tokens, time = ks[i] + 1, tokens + gain, time + token_cost
     return ks
 
-# %% ../nbs/05_speculative.ipynb #0fa2e626
+# %% ../nbs/05_speculative.ipynb #9cec7c82
 def accept_probs(p: torch.Tensor, x: torch.Tensor, q: torch.Tensor | None = None) -> torch.Tensor:
     "The probability of keeping each guess x: min(1, p(x) / q(x)), and p(x) for a deterministic guess (q one-hot at x)."
     px = p.gather(-1, x.unsqueeze(-1)).squeeze(-1)
@@ -82,7 +82,7 @@ def greedy_verify(logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Te
     accepted = ok.long().cumprod(-1).sum(-1)
     return accepted, top[torch.arange(B, device=draft.device), accepted]
 
-# %% ../nbs/05_speculative.ipynb #eadb95ff
+# %% ../nbs/05_speculative.ipynb #bdd35959
 class NgramProposer:
     "Prompt lookup: find the sequence's last n tokens earlier in its prompt and output (n from max down to min); guess what followed."
     def __init__(self, n_max: int = 4, n_min: int = 2): self.n_max, self.n_min = n_max, n_min
@@ -101,7 +101,7 @@ class NgramProposer:
 
     def free(self, seq: Sequence): pass
 
-# %% ../nbs/05_speculative.ipynb #eb475547
+# %% ../nbs/05_speculative.ipynb #498e4b04
 class DraftModelProposer:
     "A smaller model with the same tokenizer guesses k tokens, one forward each; it keeps its own KV blocks for every sequence."
     def __init__(self, model: CausalLM, attention, num_blocks: int, block_size: int):
@@ -134,6 +134,7 @@ class DraftModelProposer:
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
         live = []          # sequences with room in the draft's pool for the catch-up and k - 1 guesses (the k-th is never run)
         for s, k in zip(seqs, ks):
+            if s.num_tokens + k - 1 > len(self.model.rotary.cos): continue    # past the draft's positions: no guesses
             st = self._sync(s)
             if st["table"].append(s.num_tokens + k - 1 - st["table"].num_tokens, self.allocator): live.append((s, k, st))
         live.sort(key=lambda e: e[0].num_tokens - e[2]["computed"] != 1)     # one-token rows first, as `make_step` wants
@@ -154,7 +155,7 @@ class DraftModelProposer:
         st = self.state.pop(seq, None)
         if st is not None: st["table"].free(self.allocator)
 
-# %% ../nbs/05_speculative.ipynb #2399443a
+# %% ../nbs/05_speculative.ipynb #824efe2c
 METHODS = ("ngram", "draft_model")
 
 @dataclass
@@ -189,7 +190,7 @@ class SpeculativeConfig:
         if "method" not in d: raise ValueError("speculative_config needs a 'method' (ngram or draft_model)")
         return cls(**d)
 
-# %% ../nbs/05_speculative.ipynb #905d361e
+# %% ../nbs/05_speculative.ipynb #d4e85ecc
 def load_draft(cfg: SpeculativeConfig, model: CausalLM, tokenizer: Tokenizer) -> CausalLM:
     "The draft model of `cfg`, on the target's device and dtype, checked to share the target's vocabulary."
     from mini_infer.loader import load_model
