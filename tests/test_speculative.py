@@ -176,6 +176,20 @@ def test_draft_model_greedy_equals_plain(llm, workload, alone, tiny_draft, draft
     assert draft_pool.num_free == draft_pool.num_blocks and not eng.speculator.proposer.state   # freed with the target's
 
 
+def test_guesses_never_enter_the_prefix_cache(llm, workload):
+    "Right after each forward (guesses computed, not yet verified) the cache has registered only blocks of final tokens."
+    eng = engine(llm, speculative_config=NGRAM)
+    commit, seen = eng.scheduler.commit, []
+    def checked_commit(work):
+        commit(work)
+        for seq, _ in work:
+            assert seq.num_cached_blocks * seq.block_table.block_size <= seq.num_tokens
+            seen.append(bool(seq.spec_token_ids) and seq.num_computed_tokens > seq.num_tokens)
+    eng.scheduler.commit = checked_commit
+    run_to_completion(eng, *workload)
+    assert any(seen) and eng.stats()["prefix_cache_queries_total"] > 0    # guesses were in the cache's pool, unregistered
+
+
 def test_scripted_proposer_in_engine(llm, workload, alone):
     "A proposer that knows the answer and is right for exactly j tokens (j cycling 0..k): the counts of kept guesses follow."
     prompts, params = workload
