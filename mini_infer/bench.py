@@ -327,7 +327,7 @@ def format_prefix_table(r: dict) -> str:
     lines += [f"{c['turn']:<10d}{c['prompt_tokens']:8d}{100 * c['hit_rate']:9.1f}%{c['on_s']:9.2f}{c['off_s']:9.2f}" for c in r["chat"]]
     return "\n".join(lines)
 
-# %% ../nbs/05_speculative.ipynb #18fbf591
+# %% ../nbs/05_speculative.ipynb #16ff471f
 from collections import Counter
 from .block_manager import BlockTable
 
@@ -351,7 +351,7 @@ def verify_cost(engine: LLMEngine, ks=range(9), context: int = 256, reps: int = 
     med = {k: sorted(t[1:])[len(t[1:]) // 2] for k, t in times.items()}
     return {k: med[k] / med[0] for k in ks} | {"seconds_k0": med[0]}
 
-# %% ../nbs/05_speculative.ipynb #61016e18
+# %% ../nbs/05_speculative.ipynb #db5cf899
 _PASSAGE = ("Speculative decoding lets a small draft model propose several tokens that the large model then checks in a single "
             "forward pass. Because decoding is limited by memory bandwidth, checking five tokens costs little more than producing "
             "one. Rejection sampling keeps each guess with the right probability, so the output is distributed exactly as the large model's.")
@@ -418,7 +418,7 @@ def batch_curve(llm, engines: dict, batch_sizes=(1, 2, 4, 8, 16, 32), max_tokens
         rows.append(dict(batch=B, **_side_by_side(engines, run, rounds)))
     return rows
 
-# %% ../nbs/05_speculative.ipynb #9b667862
+# %% ../nbs/05_speculative.ipynb #0056cd59
 def run_spec_bench(model: str = "smollm2-135m", k: int = 8, max_tokens: int = 128, batch_sizes=(1, 2, 4, 8, 16, 32),
                    batch_tokens: int = 64, rounds: int = 2, device=None, dtype=None, **engine_kwargs) -> dict:
     """Speculative decoding side by side with plain decoding, in one process, on engines over the same weights: c(k), n-gram

@@ -8,12 +8,12 @@ Docs: https://mini-infer.github.io/mini-infer/speculative.html.md"""
 __all__ = ['VERIFY_TOKEN_COST', 'METHODS', 'expected_tokens', 'plan_guesses', 'accept_probs', 'residual', 'rejection_sample',
            'greedy_verify', 'NgramProposer', 'DraftModelProposer', 'SpeculativeConfig', 'load_draft', 'Speculator']
 
-# %% ../nbs/05_speculative.ipynb #b3f7ee04
+# %% ../nbs/05_speculative.ipynb #93074042
 import json
 from collections import Counter
 from dataclasses import dataclass, fields
 
-# %% ../nbs/05_speculative.ipynb #940afda7
+# %% ../nbs/05_speculative.ipynb #a3ac6d70
 import numpy as np
 import torch
 from .model import CausalLM
@@ -23,7 +23,7 @@ from .block_manager import BlockAllocator, BlockTable
 from .kv_cache import PagedKVCache
 from .scheduler import Sequence
 
-# %% ../nbs/05_speculative.ipynb #00a8a990
+# %% ../nbs/05_speculative.ipynb #129aa6c2
 VERIFY_TOKEN_COST = 0.08  # one more token in a forward, relative to a one-token step (this chapter measures 0.04-0.1 on a CPU)
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -41,7 +41,7 @@ def plan_guesses(alphas: list[float], caps: list[int], token_cost: float) -> lis
         ks[i], tokens, time = ks[i] + 1, tokens + gain, time + token_cost
     return ks
 
-# %% ../nbs/05_speculative.ipynb #9cec7c82
+# %% ../nbs/05_speculative.ipynb #038a9052
 def accept_probs(p: torch.Tensor, x: torch.Tensor, q: torch.Tensor | None = None) -> torch.Tensor:
     "The probability of keeping each guess x: min(1, p(x) / q(x)), and p(x) for a deterministic guess (q one-hot at x)."
     px = p.gather(-1, x.unsqueeze(-1)).squeeze(-1)
@@ -82,7 +82,7 @@ def greedy_verify(logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Te
     accepted = ok.long().cumprod(-1).sum(-1)
     return accepted, top[torch.arange(B, device=draft.device), accepted]
 
-# %% ../nbs/05_speculative.ipynb #bdd35959
+# %% ../nbs/05_speculative.ipynb #9a4cb75a
 class NgramProposer:
     "Prompt lookup: find the sequence's last n tokens earlier in its prompt and output (n from max down to min); guess what followed."
     def __init__(self, n_max: int = 4, n_min: int = 2): self.n_max, self.n_min = n_max, n_min
@@ -101,7 +101,7 @@ class NgramProposer:
 
     def free(self, seq: Sequence): pass
 
-# %% ../nbs/05_speculative.ipynb #498e4b04
+# %% ../nbs/05_speculative.ipynb #377cd1be
 class DraftModelProposer:
     "A smaller model with the same tokenizer guesses k tokens, one forward each; it keeps its own KV blocks for every sequence."
     def __init__(self, model: CausalLM, attention, num_blocks: int, block_size: int):
@@ -155,7 +155,7 @@ class DraftModelProposer:
         st = self.state.pop(seq, None)
         if st is not None: st["table"].free(self.allocator)
 
-# %% ../nbs/05_speculative.ipynb #824efe2c
+# %% ../nbs/05_speculative.ipynb #c02664d3
 METHODS = ("ngram", "draft_model")
 
 @dataclass
@@ -190,7 +190,7 @@ class SpeculativeConfig:
         if "method" not in d: raise ValueError("speculative_config needs a 'method' (ngram or draft_model)")
         return cls(**d)
 
-# %% ../nbs/05_speculative.ipynb #d4e85ecc
+# %% ../nbs/05_speculative.ipynb #ea458a10
 def load_draft(cfg: SpeculativeConfig, model: CausalLM, tokenizer: Tokenizer) -> CausalLM:
     "The draft model of `cfg`, on the target's device and dtype, checked to share the target's vocabulary."
     from mini_infer.loader import load_model
