@@ -327,7 +327,7 @@ def format_prefix_table(r: dict) -> str:
     lines += [f"{c['turn']:<10d}{c['prompt_tokens']:8d}{100 * c['hit_rate']:9.1f}%{c['on_s']:9.2f}{c['off_s']:9.2f}" for c in r["chat"]]
     return "\n".join(lines)
 
-# %% ../nbs/05_speculative.ipynb #16ff471f
+# %% ../nbs/05_speculative.ipynb #f638a12e
 from collections import Counter
 from .block_manager import BlockTable
 
@@ -351,7 +351,7 @@ def verify_cost(engine: LLMEngine, ks=range(9), context: int = 256, reps: int = 
     med = {k: sorted(t[1:])[len(t[1:]) // 2] for k, t in times.items()}
     return {k: med[k] / med[0] for k in ks} | {"seconds_k0": med[0]}
 
-# %% ../nbs/05_speculative.ipynb #db5cf899
+# %% ../nbs/05_speculative.ipynb #8c3c0710
 _PASSAGE = ("Speculative decoding lets a small draft model propose several tokens that the large model then checks in a single "
             "forward pass. Because decoding is limited by memory bandwidth, checking five tokens costs little more than producing "
             "one. Rejection sampling keeps each guess with the right probability, so the output is distributed exactly as the large model's.")
@@ -379,7 +379,7 @@ SPEC_TASKS = {   # name: (input-grounded?, user message)
 }
 
 def _spec_engine(llm, cfg, **kw) -> LLMEngine:
-    return LLMEngine(llm.model, llm.tokenizer, **{"kv_cache_memory_gb": 0.5, **kw}, speculative_config=cfg)
+    return LLMEngine(llm.model, llm.tokenizer, **kw, speculative_config=cfg)
 
 def _side_by_side(engines: dict, run, rounds: int) -> dict:
     """`run(engine)` -> (outputs, tokens) on every engine in turn, `rounds` times: each engine's best tok/s, its median
@@ -418,12 +418,13 @@ def batch_curve(llm, engines: dict, batch_sizes=(1, 2, 4, 8, 16, 32), max_tokens
         rows.append(dict(batch=B, **_side_by_side(engines, run, rounds)))
     return rows
 
-# %% ../nbs/05_speculative.ipynb #0056cd59
+# %% ../nbs/05_speculative.ipynb #2c5bd920
 def run_spec_bench(model: str = "smollm2-135m", k: int = 8, max_tokens: int = 128, batch_sizes=(1, 2, 4, 8, 16, 32),
-                   batch_tokens: int = 64, rounds: int = 2, device=None, dtype=None, **engine_kwargs) -> dict:
+                   batch_tokens: int = 64, rounds: int = 2, device=None, dtype=None, kv_cache_memory_gb: float = 0.5, **engine_kwargs) -> dict:
     """Speculative decoding side by side with plain decoding, in one process, on engines over the same weights: c(k), n-gram
     guesses at batch 1 on input-grounded and open-ended tasks, and throughput against batch size with and without the switch-off."""
-    llm = LLM(model, device=device, dtype=dtype, kv_cache_memory_gb=0.5, **engine_kwargs)
+    engine_kwargs["kv_cache_memory_gb"] = kv_cache_memory_gb
+    llm = LLM(model, device=device, dtype=dtype, **engine_kwargs)
     ngram = dict(method="ngram", num_speculative_tokens=k)
     engines = {"plain": llm.engine, "ngram": _spec_engine(llm, ngram, **engine_kwargs)}
     costs = verify_cost(llm.engine)

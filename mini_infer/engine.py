@@ -198,8 +198,8 @@ class LLMEngine:
         sampled, logits = self.runner.run(sched.work)
         self.scheduler.commit(sched.work)
         if sampled:
-            new = (self.speculator.verify if self.speculator else self._sample)(sampled, logits)   # [(tokens, logprobs)] per sequence
-            emitted = [self._emit(seq, toks, lps) for (seq, _), (toks, lps) in zip(sampled, new)]
+            new = self.speculator.verify(sampled, logits) if self.speculator else None   # chapter 5: None if nothing was guessed
+            emitted = [self._emit(seq, toks, lps) for (seq, _), (toks, lps) in zip(sampled, new or self._sample(sampled, logits))]
             self.counters["generation_tokens_total"] += sum(len(o.new_token_ids) for o in emitted)
             outputs += emitted
         self.counters["steps_total"] += 1

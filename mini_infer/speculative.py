@@ -8,12 +8,12 @@ Docs: https://mini-infer.github.io/mini-infer/speculative.html.md"""
 __all__ = ['VERIFY_TOKEN_COST', 'METHODS', 'expected_tokens', 'plan_guesses', 'accept_probs', 'residual', 'rejection_sample',
            'greedy_verify', 'NgramProposer', 'DraftModelProposer', 'SpeculativeConfig', 'load_draft', 'Speculator']
 
-# %% ../nbs/05_speculative.ipynb #93074042
+# %% ../nbs/05_speculative.ipynb #64095ae4
 import json
 from collections import Counter
 from dataclasses import dataclass, fields
 
-# %% ../nbs/05_speculative.ipynb #a3ac6d70
+# %% ../nbs/05_speculative.ipynb #3b178a71
 import numpy as np
 import torch
 from .model import CausalLM
@@ -23,7 +23,7 @@ from .block_manager import BlockAllocator, BlockTable
 from .kv_cache import PagedKVCache
 from .scheduler import Sequence
 
-# %% ../nbs/05_speculative.ipynb #129aa6c2
+# %% ../nbs/05_speculative.ipynb #f0354488
 VERIFY_TOKEN_COST = 0.08  # one more token in a forward, relative to a one-token step (this chapter measures 0.04-0.1 on a CPU)
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -41,7 +41,7 @@ def plan_guesses(alphas: list[float], caps: list[int], token_cost: float) -> lis
         ks[i], tokens, time = ks[i] + 1, tokens + gain, time + token_cost
     return ks
 
-# %% ../nbs/05_speculative.ipynb #038a9052
+# %% ../nbs/05_speculative.ipynb #98561183
 def accept_probs(p: torch.Tensor, x: torch.Tensor, q: torch.Tensor | None = None) -> torch.Tensor:
     "The probability of keeping each guess x: min(1, p(x) / q(x)), and p(x) for a deterministic guess (q one-hot at x)."
     px = p.gather(-1, x.unsqueeze(-1)).squeeze(-1)
@@ -82,7 +82,7 @@ def greedy_verify(logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Te
     accepted = ok.long().cumprod(-1).sum(-1)
     return accepted, top[torch.arange(B, device=draft.device), accepted]
 
-# %% ../nbs/05_speculative.ipynb #9a4cb75a
+# %% ../nbs/05_speculative.ipynb #0fea74a8
 class NgramProposer:
     "Prompt lookup: find the sequence's last n tokens earlier in its prompt and output (n from max down to min); guess what followed."
     def __init__(self, n_max: int = 4, n_min: int = 2): self.n_max, self.n_min = n_max, n_min
@@ -101,7 +101,7 @@ class NgramProposer:
 
     def free(self, seq: Sequence): pass
 
-# %% ../nbs/05_speculative.ipynb #377cd1be
+# %% ../nbs/05_speculative.ipynb #9d6a1df6
 class DraftModelProposer:
     "A smaller model with the same tokenizer guesses k tokens, one forward each; it keeps its own KV blocks for every sequence."
     def __init__(self, model: CausalLM, attention, num_blocks: int, block_size: int):
@@ -155,7 +155,7 @@ class DraftModelProposer:
         st = self.state.pop(seq, None)
         if st is not None: st["table"].free(self.allocator)
 
-# %% ../nbs/05_speculative.ipynb #c02664d3
+# %% ../nbs/05_speculative.ipynb #4449abc4
 METHODS = ("ngram", "draft_model")
 
 @dataclass
@@ -190,7 +190,7 @@ class SpeculativeConfig:
         if "method" not in d: raise ValueError("speculative_config needs a 'method' (ngram or draft_model)")
         return cls(**d)
 
-# %% ../nbs/05_speculative.ipynb #ea458a10
+# %% ../nbs/05_speculative.ipynb #459b8d90
 def load_draft(cfg: SpeculativeConfig, model: CausalLM, tokenizer: Tokenizer) -> CausalLM:
     "The draft model of `cfg`, on the target's device and dtype, checked to share the target's vocabulary."
     from mini_infer.loader import load_model
@@ -211,7 +211,7 @@ class Speculator:
         from mini_infer.engine import QUANTIZATIONS, _import
         from mini_infer.memory_plan import weights_bytes
         self.config = cfg = SpeculativeConfig.from_dict(config)
-        self.engine, self.sampler = engine, Sampler()
+        self.allocator, self.sampler = engine.allocator, Sampler()      # (no reference to the engine: it holds us)
         if cfg.method == "ngram":
             self.proposer, draft_cost = NgramProposer(cfg.prompt_lookup_max, cfg.prompt_lookup_min), 0.0
         else:
@@ -261,10 +261,10 @@ class Speculator:
         hist = [(s.prompt_ids, s.output_ids + s.spec_token_ids[:j]) for s in seqs for j in range(K1)]
         return apply_penalties(logits.flatten(0, 1), [p for p in params for _ in range(K1)], hist).view(B, K1, V)
 
-    def verify(self, sampled: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[tuple[list[int], list]]:
+    def verify(self, sampled: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[tuple[list[int], list]] | None:
         """Accept or reject every sequence's guesses against the target's logits (k rows each), roll back the rejected ones,
-        and return each sequence's new tokens with their logprobs (the target's)."""
-        if all(k == 1 for _, k in sampled): return self.engine._sample(sampled, logits)     # no guesses: plain decoding
+        and return each sequence's new tokens with their logprobs (the target's); None if no sequence had guesses."""
+        if all(k == 1 for _, k in sampled): return None             # no guesses in this step: the engine samples as usual
         seqs, ks, dev = [s for s, _ in sampled], [k for _, k in sampled], logits.device
         K, starts = max(ks) - 1, np.cumsum([0] + ks[:-1]).tolist()
         raw = logits.float()[torch.tensor([[st + min(j, k - 1) for j in range(K + 1)] for st, k in zip(starts, ks)], device=dev)]
@@ -283,7 +283,7 @@ class Speculator:
         new = [s.spec_token_ids[:a] + [t] for s, a, t in zip(seqs, accepted, nxt)]
         lps = self._logprobs(raw, seqs, new)
         for s, a, k in zip(seqs, accepted, ks):
-            s.truncate(s.num_tokens + a, self.engine.allocator)    # the K/V of rejected guesses go; their blocks too
+            s.truncate(s.num_tokens + a, self.allocator)           # the K/V of rejected guesses go; their blocks too
             s.spec_token_ids = []
             self.q.pop(s, None)
             if k > 1: self._count(s, a, k - 1)
