@@ -296,9 +296,9 @@ def cpu_kernels() -> ctypes.CDLL | None:
 
 # %% ../nbs/07_cpu_kernels.ipynb #8eec129d
 def pack_weight(weight: torch.Tensor, block: int) -> torch.Tensor:
-    "`weight` [N, K] as [ceil(N / block), K, block] panels, zero-padded past N: the order `linear_packed` reads it in."
+    "`weight` [N, K] as [ceil(N / block), K, block] panels, zero-padded past N: the order `linear_packed` reads it in (any dtype)."
     N, K = weight.shape
-    w = F.pad(weight.detach().float(), (0, 0, 0, -N % block))
+    w = F.pad(weight.detach(), (0, 0, 0, -N % block))
     return w.view(-1, block, K).transpose(1, 2).contiguous()
 
 def _checked_library(name: str, x: torch.Tensor, packed: torch.Tensor, out_features: list[int], bias: torch.Tensor | None = None, sides: int = 1):

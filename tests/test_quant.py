@@ -10,8 +10,9 @@ from mini_infer.kv_cache import PagedKVCache
 from mini_infer.llm import LLM, run_to_completion
 from mini_infer.model import CausalLM, ModelConfig
 from mini_infer.paged_attention import TorchAttention
-from mini_infer.quant import (Int8KVAttention, Int8Linear, dequantize_int8, dequantize_kv, int8_kernels, linear_int8,
-                              quantize_int8, quantize_kv, quantize_model)
+from mini_infer.cpu_kernels import linear_packed, pack_weight
+from mini_infer.quant import (Int8KVAttention, Int8Linear, dequantize_int8, dequantize_kv, int8_kernels, linear_int8, panel_width,
+                              quantize_int8, quantize_kv, quantize_model, unpack_panels)
 from mini_infer.reference import generate
 from mini_infer.sampling import SamplingParams
 
@@ -60,19 +61,33 @@ needs_kernel = pytest.mark.skipif(int8_kernels() is None, reason="the int8 C ker
 
 @needs_kernel
 @pytest.mark.parametrize("g", [None, 64])
-@pytest.mark.parametrize("N,K,bias", [(37, 64, True), (256, 576, False), (101, 1536, True)])
+@pytest.mark.parametrize("N,K,bias", [(37, 64, True), (256, 576, False), (101, 1536, True), (50, 100, True)])
 def test_kernel_equals_dequantize_then_matmul(N, K, bias, g):
     """`linear_int8` equals F.linear over the dequantized weight within float32 summation error: |y - ref| <=
-    2 K 2^-24 (|x| @ |W|.T), both sums being K products each rounded once. Rows are computed alike in any batch: bit-equal."""
+    2 K 2^-24 (|x| @ |W|.T), both sums being K products each rounded once; and chapter 7's `linear_packed` over the
+    dequantized weight bit for bit, for row counts on both sides of the direct/dequantized switch (24 rows with AVX-512).
+    Rows are computed alike in any batch: bit-equal."""
     if g and K % g: pytest.skip("group does not divide K")
     torch.manual_seed(N + K)
     layer = Int8Linear(torch.randn(N, K), torch.randn(N) if bias else None, g)
     w = layer.dequantized()
-    for M in (1, 2, 3, 4, 5, 64, 65, 130):
+    packed, nb = pack_weight(w, panel_width()), panel_width()
+    for M in (1, 2, 3, 4, 5, 13, 24, 25, 64, 65, 130, 300):
         x = torch.randn(M, K)
         y, ref = linear_int8(x, layer), torch.nn.functional.linear(x, w, layer.bias)
         assert ((y - ref).abs() <= 2 * K * 2**-24 * (x.abs() @ w.abs().T) + 1e-6).all()
+        b = torch.nn.functional.pad(layer.bias, (0, -N % nb)) if bias else None
+        assert torch.equal(y, linear_packed(x, packed, N, b))
         assert torch.equal(y[-1], linear_int8(x[-1:], layer)[0]) and torch.equal(y[:3], linear_int8(x[:3], layer))
+
+
+def test_panels_round_trip():
+    "`Int8Linear` keeps q and the scales in chapter 7's panel order; `dequantized()` gives back the [N, K] weight."
+    w = torch.randn(45, 128)
+    layer = Int8Linear(w, None, 64)
+    q, s = quantize_int8(w, 64)
+    assert layer.qweight.shape == (-(-45 // panel_width()), 128, panel_width()) and layer.scale.shape[1] == 2
+    assert torch.equal(unpack_panels(layer.qweight, 45), q) and torch.equal(layer.dequantized(), dequantize_int8(q, s))
 
 
 def test_quantized_model_shares_the_tied_table_and_leaves_the_original():
