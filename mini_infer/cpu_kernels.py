@@ -377,11 +377,13 @@ static inline float hsum(vf v) {                    /* add the vector's 4-float 
 """ + VEXP_C + r"""
 /* A sequence's blocks lie anywhere in the pool, so the hardware prefetcher cannot guess the next one: while reading a
    token, ask for the same token of the next block. (17% faster on a 64-row step, same results.) */
+#define VALUE_SUM_VECTORS 4   /* a head's output vectors summed together: independent chains of FMAs, held in registers */
 static inline void prefetch(const void *p, int64_t bytes) { for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 3); }
 
 /* Paged decode attention. Row r's query token q[tok[r]] ([Hq, D]) attends to the first ctx[r] tokens of its sequence,
    read in place from one layer's pool [num_blocks, B, Hkv, D] through block_tables[r]; the result goes to out[tok[r]].
-   Query head h reads KV head h / (Hq / Hkv) (GQA). Rows run in parallel; arithmetic is float32 whatever T is. */
+   Query head h reads KV head h / (Hq / Hkv) (GQA). The work items are (row, KV head) pairs, run in parallel: one
+   request decoding alone still keeps every core busy. Arithmetic is float32 whatever T is. */
 #define PAGED_DECODE(NAME, T, LOAD, VLOAD, STORE)                                                                \
 void NAME(const T *q, const T *k_pool, const T *v_pool, T *out, const int64_t *tok, const int64_t *block_tables,  \
           int64_t bt_stride, const int64_t *ctx, int64_t R, int64_t Hq, int64_t Hkv, int64_t D, int64_t B,         \
@@ -389,25 +391,27 @@ void NAME(const T *q, const T *k_pool, const T *v_pool, T *out, const int64_t *t
 {                                                                                                                \
     const int64_t rep = Hq / Hkv, kv_stride = Hkv * D, DV = D / VL * VL;                                         \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                                    \
-    for (int64_t r = 0; r < R; r++) {                                                                            \
-        const int64_t n = ctx[r], *bt = block_tables + r * bt_stride;                                            \
-        float *qf = malloc(sizeof(float) * (2 * Hq * D + Hq * n)), *acc = qf + Hq * D, *s = acc + Hq * D;        \
-        for (int64_t i = 0; i < Hq * D; i++) { qf[i] = LOAD(q + tok[r] * Hq * D + i) * scale; acc[i] = 0.f; }   \
-        for (int64_t b0 = 0; b0 < n; b0 += B) {   /* 1. scores, block by block: each key read once, for all its query heads */ \
-            const T *kb = k_pool + bt[b0 / B] * B * kv_stride, *kn = b0 + B < n ? k_pool + bt[b0 / B + 1] * B * kv_stride : 0; \
+    for (int64_t it = 0; it < R * Hkv; it++) {                                                                   \
+        const int64_t r = it / Hkv, kh = it % Hkv, n = ctx[r], *bt = block_tables + r * bt_stride;              \
+        const T *qr = q + (tok[r] * Hq + kh * rep) * D; T *o = out + (tok[r] * Hq + kh * rep) * D;               \
+        float *qf = malloc(sizeof(float) * rep * (D + n)), *s = qf + rep * D;                                    \
+        for (int64_t i = 0; i < rep * D; i++) qf[i] = LOAD(qr + i) * scale;                                      \
+        for (int64_t b0 = 0; b0 < n; b0 += B) {   /* 1. scores, block by block: each key read once, for its query heads */ \
+            const T *kb = k_pool + bt[b0 / B] * B * kv_stride + kh * D;                                          \
+            const T *kn = b0 + B < n ? k_pool + bt[b0 / B + 1] * B * kv_stride + kh * D : 0;                     \
             for (int64_t j = 0; j < B && b0 + j < n; j++) {                                                      \
-                if (kn) prefetch(kn + j * kv_stride, kv_stride * sizeof(T));                                     \
-                for (int64_t kh = 0, h = 0; kh < Hkv; kh++) for (int64_t g = 0; g < rep; g++, h++) {             \
-                    const T *kv = kb + j * kv_stride + kh * D; const float *qh = qf + h * D;                     \
+                if (kn) prefetch(kn + j * kv_stride, D * sizeof(T));                                             \
+                for (int64_t g = 0; g < rep; g++) {                                                              \
+                    const T *kv = kb + j * kv_stride; const float *qh = qf + g * D;                              \
                     vf dv = {0}; float dot = 0.f;                                                                \
                     for (int64_t d = 0; d < DV; d += VL) dv += f32_vload(qh + d) * VLOAD(kv + d);                \
                     for (int64_t d = DV; d < D; d++) dot += qh[d] * LOAD(kv + d);                                \
-                    s[h * n + b0 + j] = hsum(dv) + dot;                                                          \
+                    s[g * n + b0 + j] = hsum(dv) + dot;                                                          \
                 }                                                                                                \
             }                                                                                                    \
         }                                                                                                        \
-        for (int64_t h = 0; h < Hq; h++) {         /* 2. softmax of each head's scores */                        \
-            float *sh = s + h * n, m = sh[0], sum = 0.f; int64_t t = 0;                                          \
+        for (int64_t g = 0; g < rep; g++) {        /* 2. softmax of each head's scores */                        \
+            float *sh = s + g * n, m = sh[0], sum = 0.f; int64_t t = 0;                                          \
             for (int64_t u = 1; u < n; u++) m = sh[u] > m ? sh[u] : m;                                           \
             vf vs = {0};                                                                                         \
             for (; t + VL <= n; t += VL) { vf e = vexp(f32_vload(sh + t) - m); vs += e; memcpy(sh + t, &e, sizeof e); } \
@@ -415,18 +419,24 @@ void NAME(const T *q, const T *k_pool, const T *v_pool, T *out, const int64_t *t
             sum += hsum(vs);                                                                                     \
             for (t = 0; t < n; t++) sh[t] /= sum;                                                                \
         }                                                                                                        \
-        for (int64_t b0 = 0; b0 < n; b0 += B) {   /* 3. weighted sum of values: each value read once */        \
-            const T *vb = v_pool + bt[b0 / B] * B * kv_stride, *vn = b0 + B < n ? v_pool + bt[b0 / B + 1] * B * kv_stride : 0; \
-            for (int64_t j = 0; j < B && b0 + j < n; j++) {                                                      \
-                if (vn) prefetch(vn + j * kv_stride, kv_stride * sizeof(T));                                     \
-                for (int64_t kh = 0, h = 0; kh < Hkv; kh++) for (int64_t g = 0; g < rep; g++, h++) {             \
-                    const T *vv = vb + j * kv_stride + kh * D; const float p = s[h * n + b0 + j]; float *ah = acc + h * D; \
-                    for (int64_t d = 0; d < DV; d += VL) { vf a = f32_vload(ah + d) + p * VLOAD(vv + d); memcpy(ah + d, &a, sizeof a); } \
-                    for (int64_t d = DV; d < D; d++) ah[d] += p * LOAD(vv + d);                                  \
+        for (int64_t g = 0; g < rep; g++) {        /* 3. weighted sum of values: up to VALUE_SUM_VECTORS vectors of a head at once */ \
+            const float *p = s + g * n; T *oh = o + g * D;                                                       \
+            for (int64_t d0 = 0; d0 < DV; d0 += VALUE_SUM_VECTORS * VL) {                                        \
+                const int64_t nv = (DV - d0) / VL < VALUE_SUM_VECTORS ? (DV - d0) / VL : VALUE_SUM_VECTORS;      \
+                vf a[VALUE_SUM_VECTORS] = {{0}};                                                                 \
+                for (int64_t b0 = 0; b0 < n; b0 += B) {                                                          \
+                    const T *vb = v_pool + bt[b0 / B] * B * kv_stride + kh * D + d0;                             \
+                    for (int64_t j = 0; j < B && b0 + j < n; j++)                                                \
+                        for (int i = 0; i < VALUE_SUM_VECTORS; i++) if (i < nv) a[i] += p[b0 + j] * VLOAD(vb + j * kv_stride + i * VL); \
                 }                                                                                                \
+                for (int64_t i = 0; i < nv * VL; i++) STORE(oh + d0 + i, a[i / VL][i % VL]);                     \
+            }                                                                                                    \
+            for (int64_t d = DV; d < D; d++) {     /* the last D % VL dimensions, one by one */                   \
+                float acc = 0.f;                                                                                 \
+                for (int64_t t = 0; t < n; t++) acc += p[t] * LOAD(v_pool + (bt[t / B] * B + t % B) * kv_stride + kh * D + d); \
+                STORE(oh + d, acc);                                                                              \
             }                                                                                                    \
         }                                                                                                        \
-        for (int64_t i = 0; i < Hq * D; i++) STORE(out + tok[r] * Hq * D + i, acc[i]);                           \
         free(qf);                                                                                                \
     }                                                                                                            \
 }
