@@ -383,13 +383,15 @@ static inline void prefetch(const void *p, int64_t bytes) { for (int64_t i = 0; 
 /* Paged decode attention. Row r's query token q[tok[r]] ([Hq, D]) attends to the first ctx[r] tokens of its sequence,
    read in place from one layer's pool [num_blocks, B, Hkv, D] through block_tables[r]; the result goes to out[tok[r]].
    Query head h reads KV head h / (Hq / Hkv) (GQA). The work items are (row, KV head) pairs, run in parallel: one
-   request decoding alone still keeps every core busy. Arithmetic is float32 whatever T is. */
-#define PAGED_DECODE(NAME, T, LOAD, VLOAD, STORE)                                                                \
-void NAME(const T *q, const T *k_pool, const T *v_pool, T *out, const int64_t *tok, const int64_t *block_tables,  \
+   request decoding alone still keeps every core busy. Arithmetic is float32 whatever T is. The pools hold KV: T here,
+   and each head's row of a token is KV_ROW(D) KVs read through KV_LOAD / KV_VLOAD with that row's KV_SCALE, so that
+   chapter 8 can build the same kernel over int8 rows that carry their own scale. */
+#define PAGED_DECODE(NAME, T, LOAD, STORE, KV, KV_ROW, KV_SCALE, KV_LOAD, KV_VLOAD)                             \
+void NAME(const T *q, const KV *k_pool, const KV *v_pool, T *out, const int64_t *tok, const int64_t *block_tables, \
           int64_t bt_stride, const int64_t *ctx, int64_t R, int64_t Hq, int64_t Hkv, int64_t D, int64_t B,         \
           float scale, int num_threads)                                                                          \
 {                                                                                                                \
-    const int64_t rep = Hq / Hkv, kv_stride = Hkv * D, DV = D / VL * VL;                                         \
+    const int64_t rep = Hq / Hkv, row = KV_ROW(D), kv_stride = Hkv * row, DV = D / VL * VL;                                   \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                                    \
     for (int64_t it = 0; it < R * Hkv; it++) {                                                                   \
         const int64_t r = it / Hkv, kh = it % Hkv, n = ctx[r], *bt = block_tables + r * bt_stride;              \
@@ -397,15 +399,16 @@ void NAME(const T *q, const T *k_pool, const T *v_pool, T *out, const int64_t *t
         float *qf = malloc(sizeof(float) * rep * (D + n)), *s = qf + rep * D;                                    \
         for (int64_t i = 0; i < rep * D; i++) qf[i] = LOAD(qr + i) * scale;                                      \
         for (int64_t b0 = 0; b0 < n; b0 += B) {   /* 1. scores, block by block: each key read once, for its query heads */ \
-            const T *kb = k_pool + bt[b0 / B] * B * kv_stride + kh * D;                                          \
-            const T *kn = b0 + B < n ? k_pool + bt[b0 / B + 1] * B * kv_stride + kh * D : 0;                     \
+            const KV *kb = k_pool + bt[b0 / B] * B * kv_stride + kh * row;                                       \
+            const KV *kn = b0 + B < n ? k_pool + bt[b0 / B + 1] * B * kv_stride + kh * row : 0;                  \
             for (int64_t j = 0; j < B && b0 + j < n; j++) {                                                      \
-                if (kn) prefetch(kn + j * kv_stride, D * sizeof(T));                                             \
+                if (kn) prefetch(kn + j * kv_stride, row * sizeof(KV));                                          \
+                const KV *kv = kb + j * kv_stride; const float ks = KV_SCALE(kv, D);                             \
                 for (int64_t g = 0; g < rep; g++) {                                                              \
-                    const T *kv = kb + j * kv_stride; const float *qh = qf + g * D;                              \
+                    const float *qh = qf + g * D;                                                                \
                     vf dv = {0}; float dot = 0.f;                                                                \
-                    for (int64_t d = 0; d < DV; d += VL) dv += f32_vload(qh + d) * VLOAD(kv + d);                \
-                    for (int64_t d = DV; d < D; d++) dot += qh[d] * LOAD(kv + d);                                \
+                    for (int64_t d = 0; d < DV; d += VL) dv += f32_vload(qh + d) * KV_VLOAD(kv + d, ks);         \
+                    for (int64_t d = DV; d < D; d++) dot += qh[d] * KV_LOAD(kv + d, ks);                         \
                     s[g * n + b0 + j] = hsum(dv) + dot;                                                          \
                 }                                                                                                \
             }                                                                                                    \
@@ -425,15 +428,20 @@ void NAME(const T *q, const T *k_pool, const T *v_pool, T *out, const int64_t *t
                 const int64_t nv = (DV - d0) / VL < VALUE_SUM_VECTORS ? (DV - d0) / VL : VALUE_SUM_VECTORS;      \
                 vf a[VALUE_SUM_VECTORS] = {{0}};                                                                 \
                 for (int64_t b0 = 0; b0 < n; b0 += B) {                                                          \
-                    const T *vb = v_pool + bt[b0 / B] * B * kv_stride + kh * D + d0;                             \
-                    for (int64_t j = 0; j < B && b0 + j < n; j++)                                                \
-                        for (int i = 0; i < VALUE_SUM_VECTORS; i++) if (i < nv) a[i] += p[b0 + j] * VLOAD(vb + j * kv_stride + i * VL); \
+                    const KV *vb = v_pool + bt[b0 / B] * B * kv_stride + kh * row;                               \
+                    for (int64_t j = 0; j < B && b0 + j < n; j++) {                                              \
+                        const KV *vv = vb + j * kv_stride; const float vs = KV_SCALE(vv, D);                     \
+                        for (int i = 0; i < VALUE_SUM_VECTORS; i++) if (i < nv) a[i] += p[b0 + j] * KV_VLOAD(vv + d0 + i * VL, vs); \
+                    }                                                                                            \
                 }                                                                                                \
                 for (int64_t i = 0; i < nv * VL; i++) STORE(oh + d0 + i, a[i / VL][i % VL]);                     \
             }                                                                                                    \
             for (int64_t d = DV; d < D; d++) {     /* the last D % VL dimensions, one by one */                   \
                 float acc = 0.f;                                                                                 \
-                for (int64_t t = 0; t < n; t++) acc += p[t] * LOAD(v_pool + (bt[t / B] * B + t % B) * kv_stride + kh * D + d); \
+                for (int64_t t = 0; t < n; t++) {                                                                \
+                    const KV *vv = v_pool + (bt[t / B] * B + t % B) * kv_stride + kh * row;                      \
+                    acc += p[t] * KV_LOAD(vv + d, KV_SCALE(vv, D));                                              \
+                }                                                                                                \
                 STORE(oh + d, acc);                                                                              \
             }                                                                                                    \
         }                                                                                                        \
@@ -441,8 +449,16 @@ void NAME(const T *q, const T *k_pool, const T *v_pool, T *out, const int64_t *t
     }                                                                                                            \
 }
 
-PAGED_DECODE(paged_decode_f32, float, f32_load, f32_vload, f32_store)
-PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_load, bf16_vload, bf16_store)
+/* Float pools: a row is D values, read as they are. */
+#define SAME_ROW(D) (D)
+#define NO_SCALE(row, D) 1.f
+#define UNSCALED(LOAD) LOAD##_unscaled
+static inline float f32_load_unscaled(const float *p, float s) { return f32_load(p); }
+static inline vf f32_vload_unscaled(const float *p, float s) { return f32_vload(p); }
+static inline float bf16_load_unscaled(const uint16_t *p, float s) { return bf16_load(p); }
+static inline vf bf16_vload_unscaled(const uint16_t *p, float s) { return bf16_vload(p); }
+PAGED_DECODE(paged_decode_f32, float, f32_load, f32_store, float, SAME_ROW, NO_SCALE, UNSCALED(f32_load), UNSCALED(f32_vload))
+PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_load, bf16_store, uint16_t, SAME_ROW, NO_SCALE, UNSCALED(bf16_load), UNSCALED(bf16_vload))
 
 /* This step's keys and values into their slots: k_pool[slots[t]] = k[t], v_pool[slots[t]] = v[t], rows of `bytes` bytes.
    The slots are scattered and a write to a line that is not in cache must read it first, so ask for them a few rows ahead. */

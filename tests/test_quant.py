@@ -11,7 +11,8 @@ from mini_infer.llm import LLM, run_to_completion
 from mini_infer.model import CausalLM, ModelConfig
 from mini_infer.paged_attention import TorchAttention
 from mini_infer.cpu_kernels import linear_packed, pack_weight
-from mini_infer.quant import (Int8KVAttention, Int8Linear, dequantize_int8, dequantize_kv, int8_kernels, linear_int8, panel_width,
+from mini_infer.quant import (Int8KVAttention, Int8Linear, dequantize_int8, dequantize_kv, int8_attention_kernels, int8_kernels, linear_int8,
+                              paged_decode_int8, panel_width,
                               quantize_int8, quantize_kv, quantize_model, unpack_panels)
 from mini_infer.reference import generate
 from mini_infer.sampling import SamplingParams
@@ -188,3 +189,46 @@ def test_serving_int8_with_the_openai_client(tmp_path_factory):
         assert "Paris" in r.choices[0].message.content
     finally:
         proc.terminate(); proc.wait(timeout=30)
+
+
+needs_attention_kernel = pytest.mark.skipif(int8_attention_kernels() is None, reason="the int8 attention kernels do not build here")
+
+
+@needs_attention_kernel
+@pytest.mark.parametrize("D", [64, 72, 128])
+def test_int8_store_and_decode_kernels_equal_the_pytorch_path(D):
+    """`store_kv_int8` writes what `quantize_kv` computes, bit for bit (zero rows and exact halves included), and
+    `paged_decode_int8` over the int8 pools gives chapter 7's float32 decode kernel over the dequantized pools: bit for
+    bit when head_dim is whole vectors (64, 128), within float32 rounding otherwise."""
+    from mini_infer.cpu_kernels import paged_decode_kernel
+    g = torch.Generator().manual_seed(D)
+    blocks, B, Hq, Hkv, T = 12, 4, 6, 2, 20
+    k, v = (torch.randn(T, Hkv, D, generator=g) * 3 for _ in range(2))
+    k[0, 0] = 0; v[1, 1, :2] = torch.tensor([127.0, 0.5])   # an all-zero row; a row whose values fall on halves of a step
+    slots = torch.randperm(blocks * B, generator=g)[:T]
+    pools = [torch.zeros(blocks, B, Hkv, D + 4, dtype=torch.int8) for _ in range(2)]
+    int8_attention_kernels().store_kv_int8(k.data_ptr(), v.data_ptr(), pools[0].data_ptr(), pools[1].data_ptr(), slots.data_ptr(), T, Hkv, D)
+    for pool, x in zip(pools, (k, v)): assert torch.equal(pool.view(-1, Hkv, D + 4)[slots], quantize_kv(x))
+    pools = [torch.randint(-127, 128, (blocks, B, Hkv, D + 4), dtype=torch.int8, generator=g) for _ in range(2)]
+    for p in pools: p[..., -4:] = (torch.rand(blocks, B, Hkv, 1, generator=g) / 10).view(torch.int8)   # valid scales
+    q = torch.randn(3, Hq, D, generator=g)
+    tok, tables, lens = torch.tensor([2, 0, 1]), torch.randint(0, blocks, (3, 5), generator=g), torch.tensor([17, 1, 9])
+    out = paged_decode_int8(q, *pools, torch.empty_like(q), tok, tables, lens)
+    ref = paged_decode_kernel(q, *(dequantize_kv(p) for p in pools), torch.empty_like(q), tok, tables, lens)
+    if D % 16 == 0: assert torch.equal(out, ref)
+    else: torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)   # the scalar tail of each dot product: GCC orders it its own way
+
+
+@needs_attention_kernel
+def test_int8_kv_engine_on_the_kernel_equals_the_dequantizing_path():
+    "Greedy tokens with the int8 KV cache are the same whether decode steps read the pool in C or dequantize it for PyTorch."
+    model = tiny_model()
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 151, (n,)).tolist() for n in (3, 17, 40, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * len(prompts)
+    outs = []
+    for backend in ("cpu", "torch"):
+        eng = LLMEngine(model, NoText(), num_blocks=64, block_size=4, kv_cache_dtype="int8", backend=backend)
+        assert eng.cache.backend.kernel == (backend == "cpu")
+        outs.append([o.token_ids for o in run_to_completion(eng, prompts, params)])
+    assert outs[0] == outs[1]
