@@ -7,7 +7,7 @@ Docs: https://mini-infer.github.io/mini-infer/quantization.html.md"""
 # %% auto #0
 __all__ = ['WIDEN_C', 'INT8_KERNELS_C', 'INT8_ATTENTION_C', 'quantize_int8', 'dequantize_int8', 'panel_width', 'unpack_panels',
            'Int8Linear', 'Int8Embedding', 'Int8Attention', 'Int8MLP', 'quantize_model', 'int8_kernels',
-           'int8_kernel_applies', 'linear_int8', 'quantize_kv', 'dequantize_kv', 'Int8KVAttention',
+           'int8_kernel_applies', 'linear_int8', 'linear_glu_int8', 'quantize_kv', 'dequantize_kv', 'Int8KVAttention',
            'int8_attention_kernels', 'paged_decode_int8']
 
 # %% ../nbs/08_quantization.ipynb #e660d4de
@@ -103,7 +103,9 @@ class Int8MLP(nn.Module):
         self.down_proj = Int8Linear(mlp.down_proj.weight, None, group_size)
 
     def forward(self, x):
-        g, u = self.gate_up(x).chunk(2, -1)
+        gu = self.gate_up
+        if int8_kernel_applies(x, gu) and gu.out_features // 2 % gu.qweight.shape[-1] == 0: return self.down_proj(_linear_int8(x, gu, glu=True))
+        g, u = gu(x).chunk(2, -1)              # the plain path; on CPUs, the kernel below does it in one pass
         return self.down_proj(F.silu(g) * u)
 
 def _quantized(m: nn.Module, group_size):
@@ -150,37 +152,39 @@ static inline vf load_f(const float *p) { vf v; memcpy(&v, p, sizeof v); return 
 /* VL weights of a panel row dequantized: widened, times their columns' scales. Both paths below compute them so. */
 #define DEQUANTIZED(p, scales) (widen(p) * (scales))
 
-/* chapter 7's tile##R with the panel read as int8, over NP panels side by side: y[R rows, columns of NP panels, the
-   last one's nc <= NB] = x[R, K] @ (q * s) + b. Panel i is q + i K NB [K, NB] with scales s + i (K / gs) NB, a scale a
-   column for each group of gs rows; b [NP NB]. One row of x (decoding alone) keeps only 2 sums per panel in flight,
-   each waiting on the last FMA, so it takes 4 panels at once; 2 rows take 2. */
+/* chapter 7's tile##R with the panel read as int8, over NP panels: y[R rows, columns of NP panels, the last one's
+   nc <= NB] = x[R, K] @ (q * s) + b. Panel i is q + i qs [K, NB] with scales s + i ss [K / gs, NB], a scale a column
+   for each group of gs rows; b [NP NB]. One row of x (decoding alone) keeps only 2 sums per panel in flight, each
+   waiting on the last FMA, so it takes 4 panels at once; 2 rows take 2. With glu (NP = 2: the gate panel, then the up
+   panel of the same outputs) y = silu(gate) * up, as chapter 7's wide_tile computes it. */
 #define ITILE(R, NP)                                                                                                \
-static void itile##R##_##NP(const float *x, int64_t K, const int8_t *q, const float *s, int64_t gs, const float *b,  \
-                            float *y, int64_t ldy, int64_t nc) {                                                    \
+static void itile##R##_##NP(const float *x, int64_t K, const int8_t *q, int64_t qs, const float *s, int64_t ss,      \
+                            int64_t gs, const float *b, float *y, int64_t ldy, int64_t nc, int glu) {               \
     const int64_t ng = K / gs;                                                                                      \
     vf acc[R][2 * NP];                                                                                              \
     for (int r = 0; r < R; r++) for (int c = 0; c < 2 * NP; c++) acc[r][c] = load_f(b + c / 2 * NB + c % 2 * VL);  \
     for (int64_t g = 0; g < ng; g++) {                                                                              \
         vf sc[2 * NP];                                                                                              \
-        for (int c = 0; c < 2 * NP; c++) sc[c] = load_f(s + (c / 2 * ng + g) * NB + c % 2 * VL);                    \
+        for (int c = 0; c < 2 * NP; c++) sc[c] = load_f(s + c / 2 * ss + g * NB + c % 2 * VL);                      \
         for (int64_t k = g * gs; k < (g + 1) * gs; k++) {                                                           \
             vf w[2 * NP];                                                                                           \
-            for (int c = 0; c < 2 * NP; c++) w[c] = DEQUANTIZED(q + c / 2 * K * NB + k * NB + c % 2 * VL, sc[c]);   \
+            for (int c = 0; c < 2 * NP; c++) w[c] = DEQUANTIZED(q + c / 2 * qs + k * NB + c % 2 * VL, sc[c]);       \
             for (int r = 0; r < R; r++) { float xs = x[r * K + k]; for (int c = 0; c < 2 * NP; c++) acc[r][c] += xs * w[c]; } \
         }                                                                                                           \
     }                                                                                                               \
-    for (int r = 0; r < R; r++) for (int i = 0; i < NP; i++) {                                                      \
-        const int64_t n = i == NP - 1 ? nc : NB;                                                                    \
+    if (glu) for (int r = 0; r < R; r++) for (int j = 0; j < 2; j++) acc[r][j] = acc[r][j] / (1.f + vexp(-acc[r][j])) * acc[r][2 + j]; \
+    for (int r = 0; r < R; r++) for (int i = 0; i < (glu ? 1 : NP); i++) {                                        \
+        const int64_t n = i == NP - 1 || glu ? nc : NB;                                                             \
         memcpy(y + r * ldy + i * NB, &acc[r][2 * i], (n == NB ? 2 * VL : n) * sizeof(float));                      \
     }                                                                                                               \
 }
 ITILE(1, 1) ITILE(1, 2) ITILE(1, 3) ITILE(1, 4) ITILE(2, 1) ITILE(2, 2)
-ITILE(3, 1) ITILE(4, 1) ITILE(5, 1) ITILE(6, 1)
+ITILE(3, 1) ITILE(3, 2) ITILE(4, 1) ITILE(4, 2) ITILE(5, 1) ITILE(6, 1)
 #if MR > 6
 ITILE(7, 1) ITILE(8, 1) ITILE(9, 1) ITILE(10, 1) ITILE(11, 1) ITILE(12, 1)
 #endif
-typedef void (*itile_fn)(const float *, int64_t, const int8_t *, const float *, int64_t, const float *, float *, int64_t, int64_t);
-static const itile_fn itiles[][5] = {{0}, {0, itile1_1, itile1_2, itile1_3, itile1_4}, {0, itile2_1, itile2_2}, {0, itile3_1}, {0, itile4_1},
+typedef void (*itile_fn)(const float *, int64_t, const int8_t *, int64_t, const float *, int64_t, int64_t, const float *, float *, int64_t, int64_t, int);
+static const itile_fn itiles[][5] = {{0}, {0, itile1_1, itile1_2, itile1_3, itile1_4}, {0, itile2_1, itile2_2}, {0, itile3_1, itile3_2}, {0, itile4_1, itile4_2},
                                      {0, itile5_1}, {0, itile6_1},
 #if MR > 6
                                      {0, itile7_1}, {0, itile8_1}, {0, itile9_1}, {0, itile10_1}, {0, itile11_1}, {0, itile12_1},
@@ -200,25 +204,30 @@ static void dequantize_panel(const int8_t *q, const float *s, int64_t K, int64_t
 
 /* y[M, N] = x[M, K] @ W.T + b, W = q * s held as panels: q [P, K, NB] int8, s [P, K / gs, NB] float32, b [N] or NULL.
    Each thread takes a run of consecutive panels. Up to two tiles of rows read the int8 panels directly; more rows share
-   a float copy of each panel, made once. */
+   a float copy of each panel, made once. With glu, W holds SwiGLU's gate and up weights stacked (2N rows, N a multiple
+   of NB) and y = silu(x @ Wg.T) * (x @ Wu.T): up to 4 rows directly, more through chapter 7's wide_tile. */
 void linear_int8(const float *x, const int8_t *q, const float *s, const float *b, float *y,
-                 int64_t M, int64_t N, int64_t K, int64_t gs, int num_threads) {
+                 int64_t M, int64_t N, int64_t K, int64_t gs, int glu, int num_threads) {
     if (M <= 0) return;
-    const int64_t P = (N + NB - 1) / NB, ng = K / gs, G = (M + MR - 1) / MR, direct = G <= 2;
-    const int64_t side = direct && M <= 2 ? 4 / M : 1, T = num_threads < P ? num_threads : P;   /* panels a tile takes */
+    const int64_t P = (N + NB - 1) / NB, ng = K / gs, direct = glu ? M <= 4 : M <= 2 * MR;
+    const int64_t G = glu ? (direct ? 1 : (M + GR - 1) / GR) : (M + MR - 1) / MR;
+    const int64_t side = glu || !direct || M > 2 ? 1 : 4 / M, T = num_threads < P ? num_threads : P;   /* output panels a tile takes */
+    const int64_t qs = glu ? P * K * NB : K * NB, ss = glu ? P * ng * NB : ng * NB;      /* to the next panel a tile reads */
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t t = 0; t < T; t++) {
-        float *w = direct ? 0 : malloc(K * NB * sizeof(float)), bp[4 * NB];
+        float *w = direct ? 0 : malloc((glu ? 2 : 1) * K * NB * sizeof(float)), bp[4 * NB];
         for (int64_t p = t * P / T, p1 = (t + 1) * P / T, n; p < p1; p += n) {
             n = p1 - p < side ? p1 - p : side;
             const int64_t cols = N - p * NB < n * NB ? N - p * NB : n * NB, nc = cols - (n - 1) * NB;
             memset(bp, 0, sizeof bp);                           /* these panels' biases, zero past N */
             if (b) memcpy(bp, b + p * NB, cols * sizeof(float));
-            if (!direct) dequantize_panel(q + p * K * NB, s + p * ng * NB, K, gs, w);
-            for (int64_t g = 0; g < G; g++) {                   /* balanced groups of at most MR rows, as in linear_packed */
+            if (!direct) for (int i = 0; i <= glu; i++) dequantize_panel(q + p * K * NB + i * qs, s + p * ng * NB + i * ss, K, gs, w + i * K * NB);
+            for (int64_t g = 0; g < G; g++) {                   /* balanced groups of rows, as in linear_packed */
                 const int64_t m0 = g * M / G, m1 = (g + 1) * M / G;
-                if (direct) itiles[m1 - m0][n](x + m0 * K, K, q + p * K * NB, s + p * ng * NB, gs, bp, y + m0 * N + p * NB, N, nc);
-                else tiles[m1 - m0](x + m0 * K, K, w, bp, y + m0 * N + p * NB, N, nc, 0, 0);
+                float *yo = y + m0 * N + p * NB;
+                if (direct) itiles[m1 - m0][glu ? 2 : n](x + m0 * K, K, q + p * K * NB, qs, s + p * ng * NB, ss, gs, bp, yo, N, nc, glu);
+                else if (glu) wide_tiles[m1 - m0](x + m0 * K, K, w, w + K * NB, NB, 0, 0, yo, N, nc, 0, 0, 0, 1, 0, 0);
+                else tiles[m1 - m0](x + m0 * K, K, w, bp, yo, N, nc, 0, 0);
             }
         }
         free(w);
@@ -230,7 +239,7 @@ void linear_int8(const float *x, const int8_t *q, const float *s, const float *b
 def int8_kernels() -> ctypes.CDLL | None:
     "The compiled `linear_int8`, or None where it cannot be built; $MINI_INFER_NO_KERNELS=1 turns it off."
     P, S = ctypes.c_void_p, ctypes.c_int64
-    return load_library(INT8_KERNELS_C, "int8_kernels", {"linear_int8": ([P] * 5 + [S] * 4 + [ctypes.c_int], None)})
+    return load_library(INT8_KERNELS_C, "int8_kernels", {"linear_int8": ([P] * 5 + [S] * 4 + [ctypes.c_int] * 2, None)})
 
 def int8_kernel_applies(x: torch.Tensor, layer: Int8Linear) -> bool:
     "CPU float32 activations, and a layer the kernel takes (the kernel built, the weight on the CPU, a float32 bias if any)."
@@ -241,11 +250,19 @@ def linear_int8(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
     if not int8_kernel_applies(x, layer): raise ValueError("linear_int8 needs CPU float32 x, the int8 kernel built, and the layer's weight on the CPU")
     return _linear_int8(x, layer)
 
-def _linear_int8(x, layer):
+def linear_glu_int8(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
+    """`F.silu(g) * u` with `g, u = layer(x).chunk(2, -1)`, by the C kernel in one pass, for a layer holding SwiGLU's gate
+    and up weights stacked (no bias, each half whole panels) and CPU float32 `x`."""
+    if not int8_kernel_applies(x, layer) or layer.bias is not None or layer.out_features // 2 % layer.qweight.shape[-1]:
+        raise ValueError("linear_glu_int8 needs CPU float32 x, the int8 kernel built, and a stacked gate/up layer without bias, each half whole panels")
+    return _linear_int8(x, layer, glu=True)
+
+def _linear_int8(x, layer, glu=False):
     x, q, s, b = x.contiguous(), layer.qweight, layer.scale, layer.bias   # module attributes are slow: each read once
-    y = x.new_empty(*x.shape[:-1], layer.out_features)
+    N = layer.out_features // 2 if glu else layer.out_features
+    y = x.new_empty(*x.shape[:-1], N)
     int8_kernels().linear_int8(x.data_ptr(), q.data_ptr(), s.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(),
-                               x.numel() // layer.in_features, layer.out_features, layer.in_features, layer.group_size, torch.get_num_threads())
+                               x.numel() // layer.in_features, N, layer.in_features, layer.group_size, glu, torch.get_num_threads())
     return y
 
 # %% ../nbs/08_quantization.ipynb #8cd9fe75

@@ -11,7 +11,7 @@ from mini_infer.llm import LLM, run_to_completion
 from mini_infer.model import CausalLM, ModelConfig
 from mini_infer.paged_attention import TorchAttention
 from mini_infer.cpu_kernels import linear_packed, pack_weight
-from mini_infer.quant import (Int8KVAttention, Int8Linear, dequantize_int8, dequantize_kv, int8_attention_kernels, int8_kernels, linear_int8,
+from mini_infer.quant import (Int8KVAttention, Int8Linear, dequantize_int8, dequantize_kv, int8_attention_kernels, int8_kernels, linear_glu_int8, linear_int8,
                               paged_decode_int8, panel_width,
                               quantize_int8, quantize_kv, quantize_model, unpack_panels)
 from mini_infer.reference import generate
@@ -80,6 +80,27 @@ def test_kernel_equals_dequantize_then_matmul(N, K, bias, g):
         b = torch.nn.functional.pad(layer.bias, (0, -N % nb)) if bias else None
         assert torch.equal(y, linear_packed(x, packed, N, b))
         assert torch.equal(y[-1], linear_int8(x[-1:], layer)[0]) and torch.equal(y[:3], linear_int8(x[:3], layer))
+
+
+@needs_kernel
+@pytest.mark.parametrize("g", [None, 64])
+def test_glu_kernel_equals_chapter_7s(g):
+    """`linear_glu_int8` over stacked gate/up weights equals chapter 7's `linear_glu_packed` over the dequantized halves
+    bit for bit (the direct path up to 4 rows, the dequantized copy with chapter 7's wide tile beyond), and PyTorch's
+    silu(g) * u within float rounding."""
+    from mini_infer.cpu_kernels import linear_glu_packed, pack_glu
+    N, K = 3 * panel_width(), 128
+    torch.manual_seed(5)
+    layer = Int8Linear(torch.randn(2 * N, K) / 8, None, g)
+    wg, wu = layer.dequantized().chunk(2)
+    packed = pack_glu(wg, wu, panel_width())
+    for M in (1, 2, 3, 4, 5, 7, 13, 40):
+        x = torch.randn(M, K)
+        y = linear_glu_int8(x, layer)
+        assert torch.equal(y, linear_glu_packed(x, packed, N))
+        torch.testing.assert_close(y, torch.nn.functional.silu(x @ wg.T) * (x @ wu.T), atol=1e-5, rtol=1e-4)
+        assert torch.equal(y[-1:], linear_glu_int8(x[-1:], layer))
+    with pytest.raises(ValueError, match="whole panels"): linear_glu_int8(torch.randn(1, K), Int8Linear(torch.randn(2 * N + 2, K)))
 
 
 def test_panels_round_trip():
