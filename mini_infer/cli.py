@@ -21,7 +21,7 @@ def _sampling(a):
 def _llm(a, **engine_kwargs):
     from mini_infer.llm import LLM
     return LLM(a.model, device=a.device, dtype=a.dtype, backend=a.backend, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
-               speculative_config=a.speculative_config, **engine_kwargs)
+               speculative_config=a.speculative_config, enforce_eager=a.enforce_eager, **engine_kwargs)
 
 def cmd_generate(a):
     "Complete each prompt and print the completions."
@@ -67,7 +67,8 @@ def cmd_bench_offline(a):
     from mini_infer.bench import run_offline_bench, format_table
     r = run_offline_bench(a.model, num_requests=a.num_requests, input_len=tuple(a.input_len), output_len=tuple(a.output_len),
                           seed=a.seed, batch_size=a.batch_size, peers=not a.no_peers, device=a.device, dtype=a.dtype,
-                          num_threads=a.threads, backend=a.backend, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
+                          num_threads=a.threads, backend=a.backend, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
+                          enforce_eager=a.enforce_eager)
     print(format_table(r))
     if a.save_json: Path(a.save_json).write_text(json.dumps(r, indent=2, default=str))
 
@@ -75,14 +76,16 @@ def cmd_bench_prefix(a):
     from mini_infer.bench import run_prefix_bench, format_prefix_table
     r = run_prefix_bench(a.model, prefix_len=a.prefix_len, suffix_len=tuple(a.suffix_len), num_requests=a.num_requests,
                          output_len=a.output_len, trials=a.trials, rounds=a.rounds, conversations=a.conversations, turns=a.turns,
-                         seed=a.seed, device=a.device, dtype=a.dtype, backend=a.backend, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
+                         seed=a.seed, device=a.device, dtype=a.dtype, backend=a.backend, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
+                          enforce_eager=a.enforce_eager)
     print(format_prefix_table(r))
     if a.save_json: Path(a.save_json).write_text(json.dumps(r, indent=2, default=str))
 
 def cmd_bench_spec(a):
     from mini_infer.bench import run_spec_bench, format_spec_table
     r = run_spec_bench(a.model, k=a.num_speculative_tokens, max_tokens=a.max_tokens, batch_sizes=tuple(a.batch_sizes), batch_tokens=a.batch_tokens,
-                       rounds=a.rounds, device=a.device, dtype=a.dtype, backend=a.backend, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
+                       rounds=a.rounds, device=a.device, dtype=a.dtype, backend=a.backend, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
+                          enforce_eager=a.enforce_eager)
     print(format_spec_table(r))
     if a.save_json: Path(a.save_json).write_text(json.dumps(r, indent=2, default=str))
 
@@ -99,7 +102,7 @@ def cmd_serve(a):
     serve(a.model, host=a.host, port=a.port, api_key=a.api_key, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
           kv_cache_memory_gb=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization, dtype=a.dtype, device=a.device,
           max_waiting=a.max_waiting, backend=a.backend, enable_prefix_caching=a.enable_prefix_caching, quantization=a.quantization,
-          kv_cache_dtype=a.kv_cache_dtype, speculative_config=a.speculative_config)
+          kv_cache_dtype=a.kv_cache_dtype, speculative_config=a.speculative_config, enforce_eager=a.enforce_eager)
 
 # %% ../nbs/90_cli.ipynb #be36cd5a
 def _json_object(text: str) -> dict:
@@ -117,6 +120,7 @@ def _model_args(p):
                    help="torch (plain PyTorch), cpu (chapter 7's C kernels), or auto: the kernels where they build, else PyTorch")
     p.add_argument("--quantization", "-q", default=None, help="int8: weights stored in int8, one scale per output channel (default: as loaded)")
     p.add_argument("--kv-cache-dtype", default="auto", help="int8: K/V stored in int8, a scale per token and head (default auto: the model's dtype)")
+    p.add_argument("--enforce-eager", action="store_true", help="run every decode step in Python (default: record them once and replay them from C, on CPUs)")
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' or {"method": "draft_model", "model": NAME, ...}')
 

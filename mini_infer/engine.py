@@ -54,7 +54,7 @@ class TorchBackend:
     "Plain PyTorch, on any device: the model as it is, and chapter 2's `TorchAttention`."
     @staticmethod
     def available(device, dtype) -> bool: return True
-    def prepare(self, model: CausalLM) -> CausalLM: return model
+    def prepare(self, model: CausalLM, enforce_eager: bool = False) -> CausalLM: return model
     def attention(self): return TorchAttention()
     def extra_bytes(self, model) -> int: return 0
 
@@ -80,6 +80,7 @@ class EngineConfig(SchedulerConfig):
     quantization: str | None = None  # None (the checkpoint's weights as loaded) or "int8": weights in int8 (chapter 8)
     kv_cache_dtype: str = "auto"     # "auto" (the model's dtype) or "int8": K/V in int8 with a scale per token and head (chapter 8)
     speculative_config: dict | None = None  # e.g. {"method": "ngram", "num_speculative_tokens": 4} (chapter 5)
+    enforce_eager: bool = False      # True: never replay recorded decode steps (chapter 7's step graphs), every step runs in Python
     trace: bool = False              # record per-step details for the figures
 
     def __post_init__(self):
@@ -120,7 +121,7 @@ class LLMEngine:
         self.tokenizer, self.config = tokenizer, (cfg := config or EngineConfig(**kwargs))
         self.backend = load_backend(cfg.backend, model.device, model.dtype)
         if cfg.quantization: model = _import(QUANTIZATIONS[cfg.quantization])(model)
-        self.model = self.backend.prepare(model)     # what the engine runs; the `model` passed in is left as it was
+        self.model = self.backend.prepare(model, cfg.enforce_eager)    # what the engine runs; the `model` passed in is left as it was
         attention = self.backend.attention()
         if cfg.kv_cache_dtype != "auto": attention = _import(KV_CACHE_DTYPES[cfg.kv_cache_dtype])(attention)
         plan = plan_memory(model.config, model.device, model.dtype, cfg.kv_cache_memory_gb, cfg.gpu_memory_utilization,

@@ -220,6 +220,11 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def forward(self, x, cos, sin, cache, step):
+        "The layers, one after another, over the embedded tokens `x`; the caller embeds, and norms the rows it wants."
+        for layer in self.layers: x = layer(x, cos, sin, cache, step)
+        return x
+
 class CausalLM(nn.Module):
     "A Qwen2 / Llama causal language model over packed batches."
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
@@ -234,8 +239,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids, positions, cache: KVCache, step, logits_indices=None):
         "Logits [len(logits_indices) or T, vocab] for the packed tokens `input_ids` at `positions`; `step` goes to the cache."
         cos, sin = self.rotary(positions, self.dtype)   # once per forward, shared by all layers
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers: x = layer(x, cos, sin, cache, step)
+        x = self.model(self.model.embed_tokens(input_ids), cos, sin, cache, step)
         if logits_indices is not None: x = x[logits_indices]
         return self.lm_head(self.model.norm(x)).float()
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from .model import Attention, MLP, CausalLM
 from .paged_attention import AttentionBackend, StepInputs, TorchAttention
-from .cpu_kernels import CPU_KERNELS_C, PAGED_DECODE_C, CPUAttention, KernelPlan, cpu_kernels, load_library, pack_weight
+from .cpu_kernels import CPU_KERNELS_C, PAGED_DECODE_C, SHORT_ROW, CPUAttention, KernelLibrary, KernelPlan, cpu_kernels, load_library, pack_weight
 
 # %% ../nbs/08_quantization.ipynb #a651a358
 def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +68,7 @@ class Int8Linear(nn.Module):
         return dequantize_int8(unpack_panels(self.qweight, self.out_features), unpack_panels(self.scale, self.out_features), dtype)
 
     def forward(self, x):
-        if int8_kernel_applies(x, self): return _linear_int8(x, self)   # the C kernel below, on CPUs
+        if int8_kernel_applies(x, self): return _linear_int8(x, self)[0]   # the C kernel below, on CPUs
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def extra_repr(self): return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, bias={self.bias is not None}"
@@ -92,8 +92,12 @@ class Int8Attention(Attention):
         bias = torch.cat([l.bias for l in ls]) if attn.q_proj.bias is not None else None
         self.qkv_proj = Int8Linear(torch.cat([l.weight for l in ls]), bias, group_size)
         self.o_proj, self.sizes = Int8Linear(attn.o_proj.weight, attn.o_proj.bias, group_size), [l.out_features for l in ls]
+        self.whole_panels = all(n % panel_width() == 0 for n in self.sizes[:-1])   # q and k each whole panels of the stack
 
-    def qkv(self, x): return self.qkv_proj(x).split(self.sizes, -1)
+    def qkv(self, x):
+        "One product; on CPUs, by the kernel below into three tensors (q, k, v each contiguous) when q and k are whole panels."
+        if self.whole_panels and int8_kernel_applies(x, self.qkv_proj): return _linear_int8(x, self.qkv_proj, sizes=self.sizes)
+        return self.qkv_proj(x).split(self.sizes, -1)
 
 class Int8MLP(nn.Module):
     "SwiGLU with the gate and up weights stacked in one `Int8Linear`, and an int8 down projection."
@@ -101,10 +105,11 @@ class Int8MLP(nn.Module):
         super().__init__()
         self.gate_up = Int8Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, group_size)
         self.down_proj = Int8Linear(mlp.down_proj.weight, None, group_size)
+        self.whole_panels = mlp.gate_proj.out_features % panel_width() == 0     # the gate and up halves each whole panels
 
     def forward(self, x):
         gu = self.gate_up
-        if int8_kernel_applies(x, gu) and gu.out_features // 2 % gu.qweight.shape[-1] == 0: return self.down_proj(_linear_int8(x, gu, glu=True))
+        if self.whole_panels and int8_kernel_applies(x, gu): return self.down_proj(_linear_int8(x, gu, glu=True)[0])
         g, u = gu(x).chunk(2, -1)              # the plain path; on CPUs, the kernel below does it in one pass
         return self.down_proj(F.silu(g) * u)
 
@@ -202,14 +207,17 @@ static void dequantize_panel(const int8_t *q, const float *s, int64_t K, int64_t
     }
 }
 
-/* y[M, N] = x[M, K] @ W.T + b, W = q * s held as panels: q [P, K, NB] int8, s [P, K / gs, NB] float32, b [N] or NULL.
+/* y_s[M, N_s] = x[M, K] @ W_s.T + b_s for up to three weights W_s stacked in W = q * s, held as panels: q [P, K, NB] int8,
+   s [P, K / gs, NB] float32, b [N0 + N1 + N2] or NULL; each W_s but the last is whole panels, and a tile stays within one.
    Each thread takes a run of consecutive panels. Up to two tiles of rows read the int8 panels directly; more rows share
-   a float copy of each panel, made once. With glu, W holds SwiGLU's gate and up weights stacked (2N rows, N a multiple
-   of NB) and y = silu(x @ Wg.T) * (x @ Wu.T): up to 4 rows directly, more through chapter 7's wide_tile. */
-void linear_int8(const float *x, const int8_t *q, const float *s, const float *b, float *y,
-                 int64_t M, int64_t N, int64_t K, int64_t gs, int glu, int num_threads) {
+   a float copy of each panel, made once. With glu (one output), W holds SwiGLU's gate and up weights stacked (2 N0 rows,
+   N0 a multiple of NB) and y0 = silu(x @ Wg.T) * (x @ Wu.T): up to 4 rows directly, more through chapter 7's wide_tile. */
+void linear_int8(const float *x, const int8_t *q, const float *s, const float *b, float *y0, int64_t N0, float *y1, int64_t N1,
+                 float *y2, int64_t N2, int64_t M, int64_t K, int64_t gs, int glu, int num_threads) {
     if (M <= 0) return;
-    const int64_t P = (N + NB - 1) / NB, ng = K / gs, direct = glu ? M <= 4 : M <= 2 * MR;
+    float *const ys[3] = {y0, y1, y2};
+    const int64_t ns[3] = {N0, N1, N2}, ps[3] = {(N0 + NB - 1) / NB, (N1 + NB - 1) / NB, (N2 + NB - 1) / NB};
+    const int64_t P = ps[0] + ps[1] + ps[2], ng = K / gs, direct = glu ? M <= 4 : M <= 2 * MR;
     const int64_t G = glu ? (direct ? 1 : (M + GR - 1) / GR) : (M + MR - 1) / MR;
     const int64_t side = glu || !direct || M > 2 ? 1 : 4 / M, T = num_threads < P ? num_threads : P;   /* output panels a tile takes */
     const int64_t qs = glu ? P * K * NB : K * NB, ss = glu ? P * ng * NB : ng * NB;      /* to the next panel a tile reads */
@@ -217,14 +225,17 @@ void linear_int8(const float *x, const int8_t *q, const float *s, const float *b
     for (int64_t t = 0; t < T; t++) {
         float *w = direct ? 0 : malloc((glu ? 2 : 1) * K * NB * sizeof(float)), bp[4 * NB];
         for (int64_t p = t * P / T, p1 = (t + 1) * P / T, n; p < p1; p += n) {
+            int o = 0; int64_t po = p;                           /* panel p is panel po of output o */
+            while (po >= ps[o]) po -= ps[o++];
             n = p1 - p < side ? p1 - p : side;
-            const int64_t cols = N - p * NB < n * NB ? N - p * NB : n * NB, nc = cols - (n - 1) * NB;
+            if (n > ps[o] - po) n = ps[o] - po;
+            const int64_t N = ns[o], cols = N - po * NB < n * NB ? N - po * NB : n * NB, nc = cols - (n - 1) * NB;
             memset(bp, 0, sizeof bp);                           /* these panels' biases, zero past N */
             if (b) memcpy(bp, b + p * NB, cols * sizeof(float));
             if (!direct) for (int i = 0; i <= glu; i++) dequantize_panel(q + p * K * NB + i * qs, s + p * ng * NB + i * ss, K, gs, w + i * K * NB);
             for (int64_t g = 0; g < G; g++) {                   /* balanced groups of rows, as in linear_packed */
                 const int64_t m0 = g * M / G, m1 = (g + 1) * M / G;
-                float *yo = y + m0 * N + p * NB;
+                float *yo = ys[o] + m0 * N + po * NB;
                 if (direct) itiles[m1 - m0][glu ? 2 : n](x + m0 * K, K, q + p * K * NB, qs, s + p * ng * NB, ss, gs, bp, yo, N, nc, glu);
                 else if (glu) wide_tiles[m1 - m0](x + m0 * K, K, w, w + K * NB, NB, 0, 0, yo, N, nc, 0, 0, 0, 1, 0, 0);
                 else tiles[m1 - m0](x + m0 * K, K, w, bp, yo, N, nc, 0, 0);
@@ -236,10 +247,10 @@ void linear_int8(const float *x, const int8_t *q, const float *s, const float *b
 """
 
 @functools.cache
-def int8_kernels() -> ctypes.CDLL | None:
+def int8_kernels() -> KernelLibrary | None:
     "The compiled `linear_int8`, or None where it cannot be built; $MINI_INFER_NO_KERNELS=1 turns it off."
     P, S = ctypes.c_void_p, ctypes.c_int64
-    return load_library(INT8_KERNELS_C, "int8_kernels", {"linear_int8": ([P] * 5 + [S] * 4 + [ctypes.c_int] * 2, None)})
+    return load_library(INT8_KERNELS_C, "int8_kernels", {"linear_int8": ([P] * 4 + [P, S] * 3 + [S] * 3 + [ctypes.c_int] * 2, None)})
 
 def int8_kernel_applies(x: torch.Tensor, layer: Int8Linear) -> bool:
     "CPU float32 activations, and a layer the kernel takes (the kernel built, the weight on the CPU, a float32 bias if any)."
@@ -248,22 +259,24 @@ def int8_kernel_applies(x: torch.Tensor, layer: Int8Linear) -> bool:
 def linear_int8(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
     "`layer(x)` by the C kernel, for CPU float32 `x` [..., in_features] (where `int8_kernel_applies`)."
     if not int8_kernel_applies(x, layer): raise ValueError("linear_int8 needs CPU float32 x, the int8 kernel built, and the layer's weight on the CPU")
-    return _linear_int8(x, layer)
+    return _linear_int8(x, layer)[0]
 
 def linear_glu_int8(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
     """`F.silu(g) * u` with `g, u = layer(x).chunk(2, -1)`, by the C kernel in one pass, for a layer holding SwiGLU's gate
     and up weights stacked (no bias, each half whole panels) and CPU float32 `x`."""
     if not int8_kernel_applies(x, layer) or layer.bias is not None or layer.out_features // 2 % layer.qweight.shape[-1]:
         raise ValueError("linear_glu_int8 needs CPU float32 x, the int8 kernel built, and a stacked gate/up layer without bias, each half whole panels")
-    return _linear_int8(x, layer, glu=True)
+    return _linear_int8(x, layer, glu=True)[0]
 
-def _linear_int8(x, layer, glu=False):
+def _linear_int8(x, layer, glu=False, sizes=None):
+    "One kernel call: `layer(x)`, or SwiGLU of its halves with `glu`, or the outputs of the weights of `sizes` stacked in `layer`."
     x, q, s, b = x.contiguous(), layer.qweight, layer.scale, layer.bias   # module attributes are slow: each read once
-    N = layer.out_features // 2 if glu else layer.out_features
-    y = x.new_empty(*x.shape[:-1], N)
-    int8_kernels().linear_int8(x.data_ptr(), q.data_ptr(), s.data_ptr(), b.data_ptr() if b is not None else None, y.data_ptr(),
-                               x.numel() // layer.in_features, N, layer.in_features, layer.group_size, glu, torch.get_num_threads())
-    return y
+    sizes = sizes or [layer.out_features // 2 if glu else layer.out_features]
+    ys = [x.new_empty(*x.shape[:-1], n) for n in sizes]
+    outs = [a for y, n in zip(ys, sizes) for a in (y.data_ptr(), n)] + [None, 0] * (3 - len(sizes))
+    int8_kernels().linear_int8(x.data_ptr(), q.data_ptr(), s.data_ptr(), b.data_ptr() if b is not None else None, *outs,
+                               x.numel() // layer.in_features, layer.in_features, layer.group_size, glu, torch.get_num_threads())
+    return ys
 
 # %% ../nbs/08_quantization.ipynb #8cd9fe75
 def quantize_kv(x: torch.Tensor) -> torch.Tensor:
@@ -293,7 +306,7 @@ class Int8KVAttention(AttentionBackend):
     def plan(self, step: StepInputs, block_size: int):
         """For the C kernel, chapter 7's plan of a step without prompt chunks. Else the blocks this step reads, where its
         new tokens land in their dequantized copy, and the step as `inner` sees it: block tables renumbered into that copy."""
-        if self.kernel and len((p := self.inner.plan(step, block_size)).prefill_seqs) == 0: return p
+        if self.kernel and max(step.query_lens) <= SHORT_ROW: return self.inner.plan(step, block_size)   # no prompt chunk
         used, local = step.block_tables.unique(return_inverse=True)
         B = block_size
         slots = torch.searchsorted(used, step.slot_mapping // B) * B + step.slot_mapping % B
@@ -341,7 +354,7 @@ void store_kv_int8(const float *k, const float *v, int8_t *k_pool, int8_t *v_poo
 """
 
 @functools.cache
-def int8_attention_kernels() -> ctypes.CDLL | None:
+def int8_attention_kernels() -> KernelLibrary | None:
     "The compiled `paged_decode_int8` and `store_kv_int8`, or None where they cannot be built; $MINI_INFER_NO_KERNELS=1 turns them off."
     P, S = ctypes.c_void_p, ctypes.c_int64
     return load_library(INT8_ATTENTION_C, "int8_attention",

@@ -515,13 +515,13 @@ def serve(model: str | None = None, host: str = "127.0.0.1", port: int = 8000, a
           gpu_memory_utilization: float | None = None, dtype: str | None = None, device: str | None = None,
           max_waiting: int = 1024, max_body_bytes: int = 2 * 2**20, served_model_name: str | None = None, log_level: str = "info",
           backend: str = "auto", enable_prefix_caching: bool = True, quantization: str | None = None, kv_cache_dtype: str = "auto",
-          speculative_config: dict | str | None = None):
+          speculative_config: dict | str | None = None, enforce_eager: bool = False):
     "Load `model` and serve it with an OpenAI-compatible API on http://host:port/v1 (API key from the argument or MINI_INFER_API_KEY)."
     api_key = api_key or os.environ.get("MINI_INFER_API_KEY") or None
     engine_kwargs = {k: v for k, v in dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                      kv_cache_memory_gb=kv_cache_memory_gb, gpu_memory_utilization=gpu_memory_utilization).items() if v is not None}
     llm = LLM(model, device=device, dtype=dtype, backend=backend, enable_prefix_caching=enable_prefix_caching, quantization=quantization,
-              kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config, **engine_kwargs)
+              kv_cache_dtype=kv_cache_dtype, speculative_config=speculative_config, enforce_eager=enforce_eager, **engine_kwargs)
     app = build_app(llm, model_name=served_model_name, api_key=api_key, max_waiting=max_waiting, max_body_bytes=max_body_bytes)
     st = app.state.engine.stats
     print(f"mini-infer: loaded {app.state.model_name} on {llm.model.device} ({llm.model.dtype}), "

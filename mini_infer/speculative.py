@@ -218,7 +218,7 @@ class Speculator:
             draft = load_draft(cfg, engine.model, engine.tokenizer)
             if cfg.quantization: draft = _import(QUANTIZATIONS[cfg.quantization])(draft)
             draft_cost = weights_bytes(draft) / engine.memory.weights_bytes       # decode reads the weights: time ~ bytes
-            self.proposer = DraftModelProposer(engine.backend.prepare(draft), engine.backend.attention(), engine.cache.num_blocks, engine.cache.block_size)
+            self.proposer = DraftModelProposer(engine.backend.prepare(draft, engine.config.enforce_eager), engine.backend.attention(), engine.cache.num_blocks, engine.cache.block_size)
         self.token_cost = cfg.draft_token_cost if cfg.draft_token_cost is not None else VERIFY_TOKEN_COST + draft_cost
         self.acceptance: dict[Sequence, list[float]] = {}     # per sequence: decayed counts of right and wrong guesses, steps since the last
         self.counters = dict.fromkeys(["drafts", "accepted", "emitted"], 0)

@@ -11,7 +11,7 @@ from mini_infer.llm import LLM, run_to_completion
 from mini_infer.model import CausalLM, ModelConfig
 from mini_infer.paged_attention import TorchAttention
 from mini_infer.cpu_kernels import linear_packed, pack_weight
-from mini_infer.quant import (Int8KVAttention, Int8Linear, dequantize_int8, dequantize_kv, int8_attention_kernels, int8_kernels, linear_glu_int8, linear_int8,
+from mini_infer.quant import (Int8Attention, Int8KVAttention, Int8Linear, dequantize_int8, dequantize_kv, int8_attention_kernels, int8_kernels, linear_glu_int8, linear_int8,
                               paged_decode_int8, panel_width,
                               quantize_int8, quantize_kv, quantize_model, unpack_panels)
 from mini_infer.reference import generate
@@ -101,6 +101,22 @@ def test_glu_kernel_equals_chapter_7s(g):
         torch.testing.assert_close(y, torch.nn.functional.silu(x @ wg.T) * (x @ wu.T), atol=1e-5, rtol=1e-4)
         assert torch.equal(y[-1:], linear_glu_int8(x[-1:], layer))
     with pytest.raises(ValueError, match="whole panels"): linear_glu_int8(torch.randn(1, K), Int8Linear(torch.randn(2 * N + 2, K)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("M", [1, 2, 3, 30])
+def test_qkv_come_out_of_one_kernel_call_as_tensors_of_their_own(M):
+    "Stacked q/k/v weights, q and k whole panels: one call writes three contiguous tensors, the same bits as the stacked product split."
+    nb = panel_width()
+    torch.manual_seed(M)
+    cfg = ModelConfig(vocab_size=8, hidden_size=3 * nb, intermediate_size=8, num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=1,
+                      attention_bias=True, architecture="Qwen2ForCausalLM")
+    attn = Int8Attention(CausalLM(cfg).model.layers[0].self_attn, 32)
+    assert attn.whole_panels
+    x = torch.randn(M, 3 * nb)
+    q, k, v = attn.qkv(x)
+    assert all(t.is_contiguous() for t in (q, k, v)) and [t.shape[-1] for t in (q, k, v)] == [3 * nb, nb, nb]
+    assert torch.equal(torch.cat([q, k, v], -1), attn.qkv_proj(x))
 
 
 def test_panels_round_trip():

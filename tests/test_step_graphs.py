@@ -1,0 +1,80 @@
+"""Chapter 7's step graphs: a decode step's kernel calls recorded once and replayed from C. The oracle is the same engine
+with `enforce_eager=True`, every step in Python: the same tokens and the same logprobs, bit for bit."""
+import dataclasses, warnings
+import pytest, torch
+
+from mini_infer.cpu_kernels import (GRAPH_MAX_ROWS, GraphDecoder, KernelRMSNorm, StepGraph, _recording, add, call_runner, cpu_kernels,
+                                    linear_packed, pack_weight)
+from mini_infer.engine import LLMEngine
+from mini_infer.llm import run_to_completion
+from mini_infer.model import CausalLM, ModelConfig
+from mini_infer.sampling import SamplingParams
+from test_quant import NoText, TINY, tiny_model
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None or call_runner() is None, reason="no C compiler for the CPU kernels")
+
+
+def test_a_replay_computes_on_the_new_values():
+    torch.manual_seed(0)
+    a, b, w = torch.randn(5, 64), torch.randn(5, 64), torch.randn(40, 64)
+    packed, norm = pack_weight(w, cpu_kernels().packed_block()), KernelRMSNorm(64)
+    def f(a, b): return linear_packed(norm(add(a, b)), packed, 40)
+    with torch.inference_mode():
+        g = StepGraph(f, a, b)
+        assert len(g) == 3 and torch.equal(g.output, f(a, b))
+        for _ in range(3):
+            a.copy_(torch.randn(5, 64)); b.copy_(torch.randn(5, 64))
+            assert torch.equal(g.replay(), f(a, b))
+
+
+def test_recording_refuses_what_pytorch_computes():
+    a = torch.randn(4, 64)
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="a replay would skip it"): StepGraph(lambda a: add(a * 2, a), a)
+        with pytest.raises(RuntimeError, match="a replay would skip it"): StepGraph(lambda a: add(a.t().reshape(4, 64), a), a)  # a copying reshape
+    assert getattr(_recording, "calls", None) is None      # nothing is left recording
+    assert torch.equal(add(a, a), a * 2)
+
+
+def _run(model, prompts, params, **kw):
+    eng = LLMEngine(model, NoText(), **kw)
+    outs = [run_to_completion(eng, prompts[:n], params[:n]) for n in (1, 2, len(prompts))]   # alone, in twos, all together
+    return [[(o.token_ids, o.logprobs) for o in batch] for batch in outs], eng
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(quantization="int8"), dict(quantization="int8", kv_cache_dtype="int8"), dict(kv_cache_dtype="int8"),
+                                dict(max_num_batched_tokens=16, max_prefill_chunk=8), dict(num_blocks=20), dict(enable_prefix_caching=False)])
+def test_replayed_steps_equal_python_steps(kw):
+    "Greedy and seeded sampling, logprobs included; int8 weights and KV, chunked prefill, preemption (20 blocks), no prefix cache."
+    model = tiny_model()
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, 151, (n,)).tolist() for n in (3, 17, 40, 9, 25, 6, 11, 30, 4, 14)]
+    params = [SamplingParams(temperature=0 if i % 3 else 0.8, seed=i, max_tokens=14, ignore_eos=True, logprobs=2) for i in range(len(prompts))]
+    kw = dict(num_blocks=64, block_size=4) | kw
+    replayed, eng = _run(model, prompts, params, **kw)
+    python, _ = _run(model, prompts, params, enforce_eager=True, **kw)
+    assert replayed == python
+    rows = {r for r, _ in eng.model.model.graphs}
+    assert isinstance(eng.model.model, GraphDecoder) and {1, 2} <= rows and max(rows) <= GRAPH_MAX_ROWS
+    assert all(g is not None for g in eng.model.model.graphs.values())
+
+
+def test_a_step_that_cannot_be_recorded_runs_in_python_with_a_warning():
+    "int8 q/k/v that are not whole panels come out of one product as strided views: copying them is PyTorch's work."
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(TINY, hidden_size=40, num_attention_heads=2, num_key_value_heads=1)    # q 40, k and v 20 columns
+    model = CausalLM(cfg).eval()
+    prompts = [torch.randint(0, 151, (n,)).tolist() for n in (5, 12, 7)]
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * len(prompts)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        replayed, eng = _run(model, prompts, params, num_blocks=64, block_size=4, quantization="int8")
+    assert any("cannot be recorded and run in Python" in str(w.message) for w in caught)
+    graphs = eng.model.model.graphs
+    assert graphs[1, eng.cache.k.data_ptr()] is not None and graphs[2, eng.cache.k.data_ptr()] is None   # one row records; two do not
+    assert replayed == _run(model, prompts, params, num_blocks=64, block_size=4, quantization="int8", enforce_eager=True)[0]
+
+
+def test_enforce_eager_records_nothing():
+    eng = LLMEngine(tiny_model(), NoText(), num_blocks=64, block_size=4, enforce_eager=True)
+    assert not isinstance(eng.model.model, GraphDecoder)
