@@ -3,7 +3,7 @@ with `enforce_eager=True`, every step in Python: the same tokens and the same lo
 import dataclasses, warnings
 import pytest, torch
 
-from mini_infer.cpu_kernels import (GRAPH_MAX_ROWS, GraphDecoder, KernelRMSNorm, StepGraph, _recording, add, call_runner, cpu_kernels,
+from mini_infer.cpu_kernels import (GRAPH_MAX_TOKENS, GraphDecoder, KernelRMSNorm, StepGraph, _recording, add, call_runner, cpu_kernels,
                                     linear_packed, pack_weight)
 from mini_infer.engine import LLMEngine
 from mini_infer.llm import run_to_completion
@@ -54,8 +54,8 @@ def test_replayed_steps_equal_python_steps(kw):
     replayed, eng = _run(model, prompts, params, **kw)
     python, _ = _run(model, prompts, params, enforce_eager=True, **kw)
     assert replayed == python
-    rows = {r for r, _ in eng.model.model.graphs}
-    assert isinstance(eng.model.model, GraphDecoder) and {1, 2} <= rows and max(rows) <= GRAPH_MAX_ROWS
+    rows = {rows for rows, *_ in eng.model.model.graphs}
+    assert isinstance(eng.model.model, GraphDecoder) and {1, 2} <= rows and max(rows) <= GRAPH_MAX_TOKENS
     assert all(g is not None for g in eng.model.model.graphs.values())
 
 
@@ -70,11 +70,43 @@ def test_a_step_that_cannot_be_recorded_runs_in_python_with_a_warning():
         warnings.simplefilter("always")
         replayed, eng = _run(model, prompts, params, num_blocks=64, block_size=4, quantization="int8")
     assert any("cannot be recorded and run in Python" in str(w.message) for w in caught)
-    graphs = eng.model.model.graphs
-    assert graphs[1, eng.cache.k.data_ptr()] is not None and graphs[2, eng.cache.k.data_ptr()] is None   # one row records; two do not
+    by_rows = {rows: g for (rows, *_), g in eng.model.model.graphs.items()}
+    assert by_rows[1] is not None and by_rows[2] is None     # one row records; two do not
     assert replayed == _run(model, prompts, params, num_blocks=64, block_size=4, quantization="int8", enforce_eager=True)[0]
 
 
 def test_enforce_eager_records_nothing():
     eng = LLMEngine(tiny_model(), NoText(), num_blocks=64, block_size=4, enforce_eager=True)
     assert not isinstance(eng.model.model, GraphDecoder)
+
+
+def test_a_weight_changed_in_place_is_seen_by_the_replays():
+    "The engine's kernel modules share the model's parameters; a weight changed in place is packed again and recorded anew."
+    model = tiny_model()
+    torch.manual_seed(2)
+    prompts = [torch.randint(0, 151, (n,)).tolist() for n in (4, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)] * 2
+    graphed, eager = (LLMEngine(model, NoText(), num_blocks=64, block_size=4, enforce_eager=e) for e in (False, True))
+    def run(eng): return [(o.token_ids, o.logprobs) for o in run_to_completion(eng, prompts, params)]
+    before = run(graphed)
+    assert before == run(eager)
+    with torch.no_grad(): model.model.layers[0].mlp.down_proj.weight.mul_(-1)
+    after = run(graphed)
+    assert after == run(eager) and after != before
+    assert all(g is not None for g in graphed.model.model.graphs.values())     # recorded again, not given up
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_steps_replay_too(method):
+    "Verify rows (1 + k tokens) go to the decode kernel one query at a time: recorded by their number of tokens, same results."
+    model = tiny_model()
+    spec = dict(method=method, num_speculative_tokens=3, adaptive=False) | (dict(prompt_lookup_min=1) if method == "ngram" else dict(model=model))
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 5 + [12]]
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1), SamplingParams(temperature=0.9, seed=3, max_tokens=16, ignore_eos=True)]
+    runs = {}
+    for eager in (False, True):
+        eng = LLMEngine(model, NoText(), num_blocks=64, block_size=4, enforce_eager=eager, speculative_config=spec)
+        runs[eager] = [[(o.token_ids, o.logprobs) for o in run_to_completion(eng, prompts[:n], params[:n])] for n in (1, 2)]
+        if not eager: replayed = eng
+    assert runs[False] == runs[True] and replayed.speculator.counters["drafts"] > 0
+    assert max(tokens for tokens, *_ in replayed.model.model.graphs) > 2     # a step with guesses was recorded
