@@ -948,6 +948,7 @@ class GraphDecoder(Decoder):
     and short rows (speculative guesses) that the C attention backend runs one query token at a time, and replays it for
     the later ones; other steps run as they are. A weight changed
     since a recording means a new recording, over the weight packed again."""
+    replay_limits = (GRAPH_MAX_TOKENS, SHORT_ROW)   # the steps replayed: this many tokens at most, no row longer than that
     def __init__(self, decoder: Decoder):
         nn.Module.__init__(self)
         self.embed_tokens, self.layers, self.norm, self.graphs = decoder.embed_tokens, decoder.layers, decoder.norm, {}

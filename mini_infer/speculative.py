@@ -30,15 +30,16 @@ def expected_tokens(alpha: float, k: int) -> float:
     "Tokens one verify step yields when each of k guesses is right with probability alpha: 1 + alpha + ... + alpha^k."
     return sum(alpha ** i for i in range(k + 1))
 
-def plan_guesses(alphas: list[float], caps: list[int], token_cost: float) -> list[int]:
+def plan_guesses(alphas: list[float], caps: list[int], token_cost: float, max_tokens: int | None = None) -> list[int]:
     """How many guesses each sequence of a step gets. Guess j of a sequence right with probability alpha yields alpha^j tokens
     on average; a step over n tokens costs 1 + token_cost * (n - 1). Guesses are added, the likeliest first, while each
-    raises the step's expected tokens per unit of time (at most `caps[i]` for sequence i)."""
+    raises the step's expected tokens per unit of time (at most `caps[i]` for sequence i), and the step has at most
+    `max_tokens` tokens (where bigger steps cost more than the line says: chapter 7 replays steps up to a size)."""
     gains = sorted(((a ** j, i) for i, (a, cap) in enumerate(zip(alphas, caps)) for j in range(1, cap + 1)), key=lambda g: -g[0])
-    ks, tokens, time = [0] * len(alphas), float(len(alphas)), 1 + token_cost * (len(alphas) - 1)
+    ks, tokens, time, n = [0] * len(alphas), float(len(alphas)), 1 + token_cost * (len(alphas) - 1), len(alphas)
     for gain, i in gains:
-        if gain * time <= token_cost * tokens: break     # (tokens + gain) / (time + cost) would not beat tokens / time
-        ks[i], tokens, time = ks[i] + 1, tokens + gain, time + token_cost
+        if gain * time <= token_cost * tokens or (max_tokens is not None and n >= max_tokens): break   # no better, or no room
+        ks[i], tokens, time, n = ks[i] + 1, tokens + gain, time + token_cost, n + 1
     return ks
 
 # %% ../nbs/05_speculative.ipynb #98561183
@@ -220,6 +221,7 @@ class Speculator:
             draft_cost = weights_bytes(draft) / engine.memory.weights_bytes       # decode reads the weights: time ~ bytes
             self.proposer = DraftModelProposer(engine.backend.prepare(draft, engine.config.enforce_eager), engine.backend.attention(), engine.cache.num_blocks, engine.cache.block_size)
         self.token_cost = cfg.draft_token_cost if cfg.draft_token_cost is not None else VERIFY_TOKEN_COST + draft_cost
+        self.replay_limits = getattr(engine.model.model, "replay_limits", None)   # (tokens, row tokens): steps replayed from C (chapter 7)
         self.acceptance: dict[Sequence, list[float]] = {}     # per sequence: decayed counts of right and wrong guesses, steps since the last
         self.counters = dict.fromkeys(["drafts", "accepted", "emitted"], 0)
         self.accepted_lengths = Counter()                      # verify steps by number of accepted guesses
@@ -234,7 +236,11 @@ class Speculator:
         caps = [self._cap(s) for s in seqs]
         if not self.config.adaptive: return caps
         stats = [self.acceptance.setdefault(s, [0.0, 0.0, 0]) for s in seqs]   # decayed right and wrong guesses, idle steps
-        ks = plan_guesses([(right + 1) / (right + wrong + 1) for right, wrong, _ in stats], caps, self.token_cost)
+        max_tokens = None
+        if self.replay_limits and len(seqs) <= self.replay_limits[0]:       # plain steps are replayed: keep guessing ones so
+            max_tokens, row = self.replay_limits
+            caps = [min(c, row - 1) for c in caps]
+        ks = plan_guesses([(right + 1) / (right + wrong + 1) for right, wrong, _ in stats], caps, self.token_cost, max_tokens)
         for i, st in enumerate(stats):
             if ks[i] == 0 and caps[i] and st[2] >= 8: ks[i] = 1      # a probe now and then: the text may have changed
             st[2] = 0 if ks[i] else st[2] + 1
