@@ -946,8 +946,7 @@ GRAPH_MAX_TOKENS = 16   # steps of up to this many tokens, none in a prompt chun
 class GraphDecoder(Decoder):
     """Chapter 1's `Decoder` that records its first step of each number of tokens on each KV pool, for steps of decode rows
     and short rows (speculative guesses) that the C attention backend runs one query token at a time, and replays it for
-    the later ones; other steps run as they are. A weight changed
-    since a recording means a new recording, over the weight packed again."""
+    the later ones; other steps run as they are. A weight changed since a recording means a new recording."""
     replay_limits = (GRAPH_MAX_TOKENS, SHORT_ROW)   # the steps replayed: this many tokens at most, no row longer than that
     def __init__(self, decoder: Decoder):
         nn.Module.__init__(self)
