@@ -15,29 +15,42 @@ import matplotlib.pyplot as plt
 from .server import run_sync
 
 # %% ../nbs/06_server.ipynb #2d158bfc
-WORDS = ("time year people way day man thing woman life child world school state family student group country problem hand "
-         "part place case week company system program question work government number night point home water room mother area "
-         "money story fact month lot right study book eye job word business issue side kind head house service friend father "
-         "power hour game line end member law car city community name president team minute idea kid body information back "
-         "parent face others level office door health person art war history party result change morning reason research girl "
-         "guy moment air teacher force education").split()
+WORDS = (
+    "time year people way day man thing woman life child world school state family student group "
+    "country problem hand "
+    "part place case week company system program question work government number night point home "
+    "water room mother area "
+    "money story fact month lot right study book eye job word business issue side kind head house "
+    "service friend father "
+    "power hour game line end member law car city community name president team minute idea kid "
+    "body information back "
+    "parent face others level office door health person art war history party result change "
+    "morning reason research girl "
+    "guy moment air teacher force education"
+).split()
+
 
 def random_prompts(n: int, input_len: int, seed: int = 0) -> list[str]:
     "`n` prompts of `input_len` random common words (about one token each)."
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(input_len)) for _ in range(n)]
 
+
 def load_prompts(path) -> list[str]:
-    "Prompts from a file: a JSON list of strings, JSONL with a 'prompt' field, or one prompt per line."
+    """Prompts from a file: a JSON list of strings, JSONL with a 'prompt' field, or one prompt
+    per line."""
     text = Path(path).read_text()
-    if path.endswith(".json"): return [str(p) for p in json.loads(text)]
-    if path.endswith(".jsonl"): return [json.loads(l)["prompt"] for l in text.splitlines() if l.strip()]
+    if path.endswith(".json"):
+        return [str(p) for p in json.loads(text)]
+    if path.endswith(".jsonl"):
+        return [json.loads(l)["prompt"] for l in text.splitlines() if l.strip()]
     return [l for l in text.splitlines() if l.strip()]
 
 # %% ../nbs/06_server.ipynb #77fc2bf1
 @dataclass
 class RequestResult:
     "What one benchmark request measured (seconds)."
+
     ok: bool = False
     ttft: float = 0.0
     e2e: float = 0.0
@@ -49,9 +62,16 @@ class RequestResult:
 
     @property
     def tpot(self) -> float | None:
-        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.ok and self.output_tokens > 1 else None
+        return (
+            (self.e2e - self.ttft) / (self.output_tokens - 1)
+            if self.ok and self.output_tokens > 1
+            else None
+        )
 
-async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> RequestResult:
+
+async def stream_completion(
+    client: httpx.AsyncClient, url: str, body: dict, headers: dict
+) -> RequestResult:
     "Send one streaming completion and time its chunks."
     res, t0, last, chunks = RequestResult(), time.perf_counter(), None, 0
     async with client.stream("POST", url, json=body, headers=headers) as r:
@@ -59,84 +79,164 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, hea
             res.error = f"HTTP {r.status_code}: {(await r.aread())[:200].decode(errors='replace')}"
             return res
         async for line in r.aiter_lines():
-            if not line.startswith("data:"): continue
+            if not line.startswith("data:"):
+                continue
             data = line[5:].strip()
-            if data == "[DONE]": break
+            if data == "[DONE]":
+                break
             chunk = json.loads(data)
-            if "error" in chunk: res.error = str(chunk["error"].get("message")); return res
-            if chunk.get("usage"): res.prompt_tokens, res.output_tokens = chunk["usage"]["prompt_tokens"], chunk["usage"]["completion_tokens"]
+            if "error" in chunk:
+                res.error = str(chunk["error"].get("message"))
+                return res
+            if chunk.get("usage"):
+                res.prompt_tokens, res.output_tokens = (
+                    chunk["usage"]["prompt_tokens"],
+                    chunk["usage"]["completion_tokens"],
+                )
             if any(c.get("text") for c in chunk.get("choices", [])):
                 now = time.perf_counter()
-                if last is None: res.ttft = now - t0
-                else: res.itl.append(now - last)
+                if last is None:
+                    res.ttft = now - t0
+                else:
+                    res.itl.append(now - last)
                 last, chunks = now, chunks + 1
     res.e2e, res.ok = time.perf_counter() - t0, last is not None
     res.output_tokens = res.output_tokens or chunks
-    if not res.ok: res.error = "no tokens received"
+    if not res.ok:
+        res.error = "no tokens received"
     return res
 
 # %% ../nbs/06_server.ipynb #2db9c28b
 def _stats_ms(xs) -> dict:
-    if not len(xs): return {k: float("nan") for k in ("mean", "p50", "p90", "p95", "p99")}
+    if not len(xs):
+        return {k: float("nan") for k in ("mean", "p50", "p90", "p95", "p99")}
     a = np.asarray(xs) * 1000
-    return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 95, 99)}}
+    return {
+        "mean": float(a.mean()),
+        **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 95, 99)},
+    }
 
-def summarize(results: list[RequestResult], duration: float, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> dict:
+
+def summarize(
+    results: list[RequestResult],
+    duration: float,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+) -> dict:
     "Latency percentiles (ms), throughputs, errors and goodput of a benchmark run."
     ok = [r for r in results if r.ok]
     out_tok, in_tok = sum(r.output_tokens for r in ok), sum(r.prompt_tokens for r in ok)
+
     def good(r):
-        return (slo_ttft_ms is None or r.ttft * 1000 <= slo_ttft_ms) and (slo_tpot_ms is None or (r.tpot or 0) * 1000 <= slo_tpot_ms)
-    s = {"completed": len(ok), "errors": sum(not r.ok and not r.timed_out for r in results), "timeouts": sum(r.timed_out for r in results),
-         "duration_s": duration, "request_throughput": len(ok) / duration, "output_token_throughput": out_tok / duration,
-         "total_token_throughput": (in_tok + out_tok) / duration, "mean_prompt_tokens": in_tok / max(len(ok), 1),
-         "mean_output_tokens": out_tok / max(len(ok), 1),
-         "ttft_ms": _stats_ms([r.ttft for r in ok]), "tpot_ms": _stats_ms([r.tpot for r in ok if r.tpot is not None]),
-         "itl_ms": _stats_ms([x for r in ok for x in r.itl]), "e2e_ms": _stats_ms([r.e2e for r in ok])}
+        return (slo_ttft_ms is None or r.ttft * 1000 <= slo_ttft_ms) and (
+            slo_tpot_ms is None or (r.tpot or 0) * 1000 <= slo_tpot_ms
+        )
+
+    s = {
+        "completed": len(ok),
+        "errors": sum(not r.ok and not r.timed_out for r in results),
+        "timeouts": sum(r.timed_out for r in results),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_token_throughput": out_tok / duration,
+        "total_token_throughput": (in_tok + out_tok) / duration,
+        "mean_prompt_tokens": in_tok / max(len(ok), 1),
+        "mean_output_tokens": out_tok / max(len(ok), 1),
+        "ttft_ms": _stats_ms([r.ttft for r in ok]),
+        "tpot_ms": _stats_ms([r.tpot for r in ok if r.tpot is not None]),
+        "itl_ms": _stats_ms([x for r in ok for x in r.itl]),
+        "e2e_ms": _stats_ms([r.e2e for r in ok]),
+    }
     if slo_ttft_ms is not None or slo_tpot_ms is not None:
         s["goodput"] = sum(map(good, ok)) / duration
         s["slo"] = {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms}
     first_error = next((r.error for r in results if r.error), None)
-    if first_error: s["first_error"] = first_error
+    if first_error:
+        s["first_error"] = first_error
     return s
+
 
 def format_table(s: dict) -> str:
     "A printable report of `summarize`'s dict."
-    rows = [("completed / errors / timeouts", f"{s['completed']} / {s['errors']} / {s['timeouts']}"),
-            ("duration (s)", f"{s['duration_s']:.2f}"), ("request throughput (req/s)", f"{s['request_throughput']:.2f}"),
-            ("output token throughput (tok/s)", f"{s['output_token_throughput']:.1f}"),
-            ("total token throughput (tok/s)", f"{s['total_token_throughput']:.1f}"),
-            ("mean prompt / output tokens", f"{s['mean_prompt_tokens']:.1f} / {s['mean_output_tokens']:.1f}")]
+    rows = [
+        ("completed / errors / timeouts", f"{s['completed']} / {s['errors']} / {s['timeouts']}"),
+        ("duration (s)", f"{s['duration_s']:.2f}"),
+        ("request throughput (req/s)", f"{s['request_throughput']:.2f}"),
+        ("output token throughput (tok/s)", f"{s['output_token_throughput']:.1f}"),
+        ("total token throughput (tok/s)", f"{s['total_token_throughput']:.1f}"),
+        (
+            "mean prompt / output tokens",
+            f"{s['mean_prompt_tokens']:.1f} / {s['mean_output_tokens']:.1f}",
+        ),
+    ]
     if "goodput" in s:
-        slo = ", ".join(f"{k.split('_')[0].upper()} <= {v} ms" for k, v in s["slo"].items() if v is not None)
+        slo = ", ".join(
+            f"{k.split('_')[0].upper()} <= {v} ms" for k, v in s["slo"].items() if v is not None
+        )
         rows.append((f"goodput (req/s, {slo})", f"{s['goodput']:.2f}"))
     w = max(len(k) for k, _ in rows)
     lines = [f"{k:<{w}}  {v}" for k, v in rows]
     lines.append(f"{'latency (ms)':<{w}}  {'mean':>9} {'p50':>9} {'p90':>9} {'p95':>9} {'p99':>9}")
     for m in ("ttft", "tpot", "itl", "e2e"):
-        lines.append(f"{m.upper():<{w}}  " + " ".join(f"{s[m + '_ms'][k]:9.1f}" for k in ("mean", "p50", "p90", "p95", "p99")))
-    if "first_error" in s: lines.append(f"first error: {s['first_error']}")
+        lines.append(
+            f"{m.upper():<{w}}  "
+            + " ".join(f"{s[m + '_ms'][k]:9.1f}" for k in ("mean", "p50", "p90", "p95", "p99"))
+        )
+    if "first_error" in s:
+        lines.append(f"first error: {s['first_error']}")
     return "\n".join(lines)
 
 # %% ../nbs/06_server.ipynb #87169109
-def _base_url(url: str) -> str: return url.rstrip("/").removesuffix("/v1")
+def _base_url(url: str) -> str:
+    return url.rstrip("/").removesuffix("/v1")
 
-async def bench(url: str, model: str | None, prompts: list[str], output_len: int, request_rate: float = math.inf,
-                burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0, api_key: str | None = None,
-                timeout_s: float = 300.0, ignore_eos: bool = False) -> tuple[list[RequestResult], float]:
-    "Send `prompts` as streaming completions arriving at `request_rate` (gamma arrivals); return results and wall time."
+
+async def bench(
+    url: str,
+    model: str | None,
+    prompts: list[str],
+    output_len: int,
+    request_rate: float = math.inf,
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    api_key: str | None = None,
+    timeout_s: float = 300.0,
+    ignore_eos: bool = False,
+) -> tuple[list[RequestResult], float]:
+    """Send `prompts` as streaming completions arriving at `request_rate` (gamma arrivals);
+    return results and wall time."""
     base, headers = _base_url(url), ({"Authorization": f"Bearer {api_key}"} if api_key else {})
     rng, sem = np.random.default_rng(seed), asyncio.Semaphore(max_concurrency or len(prompts))
-    limits = httpx.Limits(max_connections=max_concurrency or len(prompts), max_keepalive_connections=max_concurrency or len(prompts))
+    limits = httpx.Limits(
+        max_connections=max_concurrency or len(prompts),
+        max_keepalive_connections=max_concurrency or len(prompts),
+    )
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
-        if model is None: model = (await client.get(base + "/v1/models", headers=headers)).json()["data"][0]["id"]
+        if model is None:
+            model = (await client.get(base + "/v1/models", headers=headers)).json()["data"][0]["id"]
+
         async def one(prompt):
-            body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
-                    "stream_options": {"include_usage": True}, **({"ignore_eos": True} if ignore_eos else {})}
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": output_len,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                **({"ignore_eos": True} if ignore_eos else {}),
+            }
             async with sem:
-                try: return await asyncio.wait_for(stream_completion(client, base + "/v1/completions", body, headers), timeout_s)
-                except asyncio.TimeoutError: return RequestResult(timed_out=True, error=f"timed out after {timeout_s}s")
-                except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e: return RequestResult(error=f"{type(e).__name__}: {e}")
+                try:
+                    return await asyncio.wait_for(
+                        stream_completion(client, base + "/v1/completions", body, headers),
+                        timeout_s,
+                    )
+                except asyncio.TimeoutError:
+                    return RequestResult(timed_out=True, error=f"timed out after {timeout_s}s")
+                except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+                    return RequestResult(error=f"{type(e).__name__}: {e}")
+
         t0, tasks = time.perf_counter(), []
         for i, p in enumerate(prompts):
             tasks.append(asyncio.create_task(one(p)))
@@ -145,41 +245,111 @@ async def bench(url: str, model: str | None, prompts: list[str], output_len: int
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - t0
 
-def run_bench_serve(url: str = "http://127.0.0.1:8000", model: str | None = None, num_prompts: int = 100, input_len: int = 64,
-                    output_len: int = 64, request_rate: float = math.inf, burstiness: float = 1.0, max_concurrency: int | None = None,
-                    prompts_file: str | None = None, seed: int = 0, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
-                    api_key: str | None = None, save_json: str | None = None, timeout_s: float = 300.0, ignore_eos: bool = False,
-                    quiet: bool = False) -> dict:
-    "Benchmark an OpenAI-compatible server; print a table, optionally save JSON, return the summary dict."
-    prompts = load_prompts(prompts_file)[:num_prompts] if prompts_file else random_prompts(num_prompts, input_len, seed)
-    results, duration = run_sync(bench(url, model, prompts, output_len, request_rate, burstiness, max_concurrency, seed, api_key, timeout_s, ignore_eos))
+
+def run_bench_serve(
+    url: str = "http://127.0.0.1:8000",
+    model: str | None = None,
+    num_prompts: int = 100,
+    input_len: int = 64,
+    output_len: int = 64,
+    request_rate: float = math.inf,
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    prompts_file: str | None = None,
+    seed: int = 0,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+    api_key: str | None = None,
+    save_json: str | None = None,
+    timeout_s: float = 300.0,
+    ignore_eos: bool = False,
+    quiet: bool = False,
+) -> dict:
+    """Benchmark an OpenAI-compatible server; print a table, optionally save JSON, return the
+    summary dict."""
+    prompts = (
+        load_prompts(prompts_file)[:num_prompts]
+        if prompts_file
+        else random_prompts(num_prompts, input_len, seed)
+    )
+    results, duration = run_sync(
+        bench(
+            url,
+            model,
+            prompts,
+            output_len,
+            request_rate,
+            burstiness,
+            max_concurrency,
+            seed,
+            api_key,
+            timeout_s,
+            ignore_eos,
+        )
+    )
     s = summarize(results, duration, slo_ttft_ms, slo_tpot_ms)
-    s["config"] = dict(url=url, model=model, num_prompts=len(prompts), input_len=None if prompts_file else input_len, output_len=output_len,
-                       request_rate=request_rate if request_rate != math.inf else "inf", burstiness=burstiness, max_concurrency=max_concurrency, seed=seed)
-    if not quiet: print(format_table(s))
-    if save_json: Path(save_json).write_text(json.dumps(s, indent=2))
+    s["config"] = dict(
+        url=url,
+        model=model,
+        num_prompts=len(prompts),
+        input_len=None if prompts_file else input_len,
+        output_len=output_len,
+        request_rate=request_rate if request_rate != math.inf else "inf",
+        burstiness=burstiness,
+        max_concurrency=max_concurrency,
+        seed=seed,
+    )
+    if not quiet:
+        print(format_table(s))
+    if save_json:
+        Path(save_json).write_text(json.dumps(s, indent=2))
     return s
 
 # %% ../nbs/06_server.ipynb #16eccae2
-def sweep(rates, url: str = "http://127.0.0.1:8000", save_json: str | None = None, **kw) -> list[dict]:
+def sweep(
+    rates, url: str = "http://127.0.0.1:8000", save_json: str | None = None, **kw
+) -> list[dict]:
     "Run `run_bench_serve` at each request rate; the summaries make a latency-throughput curve."
     out = []
     for r in rates:
         s = run_bench_serve(url, request_rate=r, quiet=True, **kw)
-        print(f"rate {r:>6} req/s: {s['output_token_throughput']:7.1f} tok/s, TTFT p50 {s['ttft_ms']['p50']:8.1f} ms, "
-              f"TPOT p50 {s['tpot_ms']['p50']:7.1f} ms, errors {s['errors'] + s['timeouts']}")
+        print(
+            f"rate {r:>6} req/s: {s['output_token_throughput']:7.1f} tok/s, TTFT p50 "
+            f"{s['ttft_ms']['p50']:8.1f} ms, "
+            f"TPOT p50 {s['tpot_ms']['p50']:7.1f} ms, errors {s['errors'] + s['timeouts']}"
+        )
         out.append(s)
-    if save_json: Path(save_json).write_text(json.dumps(out, indent=2))
+    if save_json:
+        Path(save_json).write_text(json.dumps(out, indent=2))
     return out
 
+
 def plot_latency_throughput(summaries: list[dict], ax=None):
-    "TTFT and TPOT (p50, with p90 as a band) against output token throughput, one point per request rate."
+    """TTFT and TPOT (p50, with p90 as a band) against output token throughput, one point per
+    request rate."""
     fig, axs = plt.subplots(1, 2, figsize=(10, 3.5)) if ax is None else (None, ax)
     x = [s["output_token_throughput"] for s in summaries]
     for a, m in zip(axs, ("ttft", "tpot")):
-        p50, p90 = [s[m + "_ms"]["p50"] for s in summaries], [s[m + "_ms"]["p90"] for s in summaries]
-        a.plot(x, p50, "o-", label="p50"); a.fill_between(x, p50, p90, alpha=0.2, label="p50–p90")
-        for xi, yi, s in zip(x, p50, summaries): a.annotate(f"{s['config']['request_rate']}/s", (xi, yi), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        a.set(xlabel="output throughput (tok/s)", ylabel=f"{m.upper()} (ms)", title=f"{m.upper()} vs throughput"); a.legend(fontsize=7)
-    if fig is not None: fig.tight_layout()
+        p50, p90 = (
+            [s[m + "_ms"]["p50"] for s in summaries],
+            [s[m + "_ms"]["p90"] for s in summaries],
+        )
+        a.plot(x, p50, "o-", label="p50")
+        a.fill_between(x, p50, p90, alpha=0.2, label="p50–p90")
+        for xi, yi, s in zip(x, p50, summaries):
+            a.annotate(
+                f"{s['config']['request_rate']}/s",
+                (xi, yi),
+                fontsize=7,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+        a.set(
+            xlabel="output throughput (tok/s)",
+            ylabel=f"{m.upper()} (ms)",
+            title=f"{m.upper()} vs throughput",
+        )
+        a.legend(fontsize=7)
+    if fig is not None:
+        fig.tight_layout()
     return axs

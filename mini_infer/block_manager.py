@@ -16,54 +16,74 @@ import numpy as np
 # %% ../nbs/02_paged_cache.ipynb #d98228ae
 class BlockAllocator:
     "O(1) allocation of physical KV blocks from a free list, with reference counts."
+
     def __init__(self, num_blocks: int):
-        if num_blocks < 1: raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.free_blocks = deque(range(num_blocks))
         self.ref_counts = [0] * num_blocks
 
     @property
-    def num_free(self) -> int: return len(self.free_blocks)
+    def num_free(self) -> int:
+        return len(self.free_blocks)
 
     @property
-    def num_used(self) -> int: return self.num_blocks - self.num_free
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
 
     def allocate(self, n: int) -> list[int] | None:
         "Take `n` free blocks (ref count 1), or return None and change nothing if fewer are free."
-        if n < 0: raise ValueError(f"cannot allocate {n} blocks")
-        if n > self.num_free: return None
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > self.num_free:
+            return None
         blocks = [self._take_free() for _ in range(n)]
-        for b in blocks: self.ref_counts[b] = 1
+        for b in blocks:
+            self.ref_counts[b] = 1
         return blocks
 
-    def _take_free(self) -> int: return self.free_blocks.popleft()
-    def _release(self, block: int): self.free_blocks.append(block)  # chapter 4 keeps cached blocks aside instead
+    def _take_free(self) -> int:
+        return self.free_blocks.popleft()
+
+    def _release(self, block: int):
+        self.free_blocks.append(block)  # chapter 4 keeps cached blocks aside instead
 
     def _check_used(self, blocks, action: str):
         for b, n in Counter(blocks).items():
             if not (isinstance(b, (int, np.integer)) and 0 <= b < self.num_blocks):
-                raise ValueError(f"cannot {action} block {b!r}: not a block of this pool (0..{self.num_blocks - 1})")
+                raise ValueError(
+                    f"cannot {action} block {b!r}: not a block of this pool "
+                    f"(0..{self.num_blocks - 1})"
+                )
             if self.ref_counts[b] < n:
-                raise ValueError(f"cannot {action} block {b} {n} time(s): its reference count is {self.ref_counts[b]}"
-                                 + (" (already free)" if self.ref_counts[b] == 0 else ""))
+                raise ValueError(
+                    f"cannot {action} block {b} {n} time(s): its reference count is "
+                    f"{self.ref_counts[b]}" + (" (already free)" if self.ref_counts[b] == 0 else "")
+                )
 
     def incref(self, blocks: list[int]):
         "Add an owner to each of `blocks` (all must be in use)."
         self._check_used(set(blocks), "share")
-        for b in blocks: self.ref_counts[b] += 1
+        for b in blocks:
+            self.ref_counts[b] += 1
 
     def free(self, blocks: list[int]):
-        "Drop one owner of each of `blocks`; a block whose count reaches 0 returns to the free list. Checks everything before changing anything."
+        """Drop one owner of each of `blocks`; a block whose count reaches 0 returns to the free
+        list. Checks everything before changing anything."""
         self._check_used(blocks, "free")
         for b in blocks:
             self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0: self._release(b)
+            if self.ref_counts[b] == 0:
+                self._release(b)
 
-    def __repr__(self): return f"BlockAllocator(num_blocks={self.num_blocks}, free={self.num_free}, used={self.num_used})"
+    def __repr__(self):
+        return f"BlockAllocator(num_blocks={self.num_blocks}, free={self.num_free}, used={self.num_used})"
 
 # %% ../nbs/02_paged_cache.ipynb #7f41189f
 class BlockTable:
     "One sequence's logical → physical block mapping."
+
     def __init__(self, block_size: int = 16):
         self.block_size, self.blocks, self.num_tokens = block_size, [], 0
 
@@ -72,11 +92,13 @@ class BlockTable:
         return max(0, -(-(self.num_tokens + n_new) // self.block_size) - len(self.blocks))
 
     def append(self, n_new: int, allocator: BlockAllocator) -> bool:
-        "Make room for `n_new` more tokens; False (and nothing changed) if the allocator cannot supply the blocks."
+        """Make room for `n_new` more tokens; False (and nothing changed) if the allocator cannot
+        supply the blocks."""
         need = self.blocks_needed(n_new)
         if need:
             new = allocator.allocate(need)
-            if new is None: return False
+            if new is None:
+                return False
             self.blocks += new
         self.num_tokens += n_new
         return True
@@ -84,19 +106,25 @@ class BlockTable:
     def slots(self, start: int, n: int) -> list[int]:
         "Flat pool slots of positions start..start+n-1."
         if start < 0 or start + n > self.num_tokens:
-            raise ValueError(f"positions {start}..{start + n - 1} are outside this sequence's {self.num_tokens} tokens")
+            raise ValueError(
+                f"positions {start}..{start + n - 1} are outside this sequence's {self.num_tokens} "
+                "tokens"
+            )
         B = self.block_size
         return [self.blocks[p // B] * B + p % B for p in range(start, start + n)]
 
     def truncate(self, n: int, allocator: BlockAllocator):
         "Keep the first `n` tokens; the blocks past them go back to the allocator, last first."
-        if not 0 <= n <= self.num_tokens: raise ValueError(f"cannot truncate {self.num_tokens} tokens to {n}")
+        if not 0 <= n <= self.num_tokens:
+            raise ValueError(f"cannot truncate {self.num_tokens} tokens to {n}")
         keep = -(-n // self.block_size)
         allocator.free(self.blocks[keep:][::-1])
         self.blocks, self.num_tokens = self.blocks[:keep], n
 
     def free(self, allocator: BlockAllocator):
-        "Return all blocks (last first, so a shared prefix stays cached longest) and empty the table."
+        """Return all blocks (last first, so a shared prefix stays cached longest) and empty the
+        table."""
         self.truncate(0, allocator)
 
-    def __repr__(self): return f"BlockTable(num_tokens={self.num_tokens}, blocks={self.blocks})"
+    def __repr__(self):
+        return f"BlockTable(num_tokens={self.num_tokens}, blocks={self.blocks})"

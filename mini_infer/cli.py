@@ -16,17 +16,38 @@ from pathlib import Path
 def _sampling(a):
     "SamplingParams from the shared command-line options."
     from mini_infer.sampling import SamplingParams
-    return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, max_tokens=a.max_tokens)
+
+    return SamplingParams(
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        seed=a.seed,
+        max_tokens=a.max_tokens,
+    )
+
 
 def _llm(a, **engine_kwargs):
     from mini_infer.llm import LLM
-    return LLM(a.model, device=a.device, dtype=a.dtype, backend=a.backend, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
-               speculative_config=a.speculative_config, enforce_eager=a.enforce_eager, **engine_kwargs)
+
+    return LLM(
+        a.model,
+        device=a.device,
+        dtype=a.dtype,
+        backend=a.backend,
+        quantization=a.quantization,
+        kv_cache_dtype=a.kv_cache_dtype,
+        speculative_config=a.speculative_config,
+        enforce_eager=a.enforce_eager,
+        **engine_kwargs,
+    )
+
 
 def cmd_generate(a):
     "Complete each prompt and print the completions."
     outs = _llm(a).generate(a.prompts, _sampling(a))
-    for o in outs: print(o.text if len(outs) == 1 else f"--- {o.finish_reason}\n{o.text}")
+    for o in outs:
+        print(o.text if len(outs) == 1 else f"--- {o.finish_reason}\n{o.text}")
+
 
 def stream_chat(llm, messages, params, out=sys.stdout) -> str:
     "Stream one assistant reply to `out` as the engine produces it; return the whole reply."
@@ -35,11 +56,15 @@ def stream_chat(llm, messages, params, out=sys.stdout) -> str:
     done = False
     while not done:
         for o in engine.step():
-            if o.request_id != rid: continue
-            out.write(o.text_delta); out.flush(); text += o.text_delta
+            if o.request_id != rid:
+                continue
+            out.write(o.text_delta)
+            out.flush()
+            text += o.text_delta
             done = o.finished
     out.write("\n")
     return text
+
 
 def cmd_chat(a):
     "One-shot with a message, else an interactive chat (empty line or Ctrl-D to quit)."
@@ -50,79 +75,206 @@ def cmd_chat(a):
         return
     print("chat with the model; an empty line or Ctrl-D quits", file=sys.stderr)
     while True:
-        try: line = input("> ").strip()
-        except (EOFError, KeyboardInterrupt): break
-        if not line: break
+        try:
+            line = input("> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            break
+        if not line:
+            break
         messages.append({"role": "user", "content": line})
         messages.append({"role": "assistant", "content": stream_chat(llm, messages, params)})
 
+
 def cmd_info(a):
-    "Device, dtype, versions and the memory plan of the engine that `serve` would build for a model."
+    """Device, dtype, versions and the memory plan of the engine that `serve` would build for a
+    model."""
     from mini_infer.memory_plan import info_table
-    llm = _llm(a, kv_cache_memory_gb=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size)
+
+    llm = _llm(
+        a,
+        kv_cache_memory_gb=a.kv_cache_memory,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        block_size=a.block_size,
+    )
     print(info_table(llm.model, llm.engine.memory, llm.model_name))
     print(f"\nbackend        {a.backend} -> {type(llm.engine.backend).__name__}")
 
+
 def cmd_bench_offline(a):
     from mini_infer.bench import run_offline_bench, format_table
-    r = run_offline_bench(a.model, num_requests=a.num_requests, input_len=tuple(a.input_len), output_len=tuple(a.output_len),
-                          seed=a.seed, batch_size=a.batch_size, peers=not a.no_peers, device=a.device, dtype=a.dtype,
-                          num_threads=a.threads, backend=a.backend, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
-                          enforce_eager=a.enforce_eager)
+
+    r = run_offline_bench(
+        a.model,
+        num_requests=a.num_requests,
+        input_len=tuple(a.input_len),
+        output_len=tuple(a.output_len),
+        seed=a.seed,
+        batch_size=a.batch_size,
+        peers=not a.no_peers,
+        device=a.device,
+        dtype=a.dtype,
+        num_threads=a.threads,
+        backend=a.backend,
+        quantization=a.quantization,
+        kv_cache_dtype=a.kv_cache_dtype,
+        enforce_eager=a.enforce_eager,
+    )
     print(format_table(r))
-    if a.save_json: Path(a.save_json).write_text(json.dumps(r, indent=2, default=str))
+    if a.save_json:
+        Path(a.save_json).write_text(json.dumps(r, indent=2, default=str))
+
 
 def cmd_bench_prefix(a):
-    from mini_infer.bench import run_prefix_bench, format_prefix_table
-    r = run_prefix_bench(a.model, prefix_len=a.prefix_len, suffix_len=tuple(a.suffix_len), num_requests=a.num_requests,
-                         output_len=a.output_len, trials=a.trials, rounds=a.rounds, conversations=a.conversations, turns=a.turns,
-                         seed=a.seed, device=a.device, dtype=a.dtype, backend=a.backend, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
-                          enforce_eager=a.enforce_eager)
+    from mini_infer.bench_prefix import run_prefix_bench, format_prefix_table
+
+    r = run_prefix_bench(
+        a.model,
+        prefix_len=a.prefix_len,
+        suffix_len=tuple(a.suffix_len),
+        num_requests=a.num_requests,
+        output_len=a.output_len,
+        trials=a.trials,
+        rounds=a.rounds,
+        conversations=a.conversations,
+        turns=a.turns,
+        seed=a.seed,
+        device=a.device,
+        dtype=a.dtype,
+        backend=a.backend,
+        quantization=a.quantization,
+        kv_cache_dtype=a.kv_cache_dtype,
+        enforce_eager=a.enforce_eager,
+    )
     print(format_prefix_table(r))
-    if a.save_json: Path(a.save_json).write_text(json.dumps(r, indent=2, default=str))
+    if a.save_json:
+        Path(a.save_json).write_text(json.dumps(r, indent=2, default=str))
+
 
 def cmd_bench_spec(a):
-    from mini_infer.bench import run_spec_bench, format_spec_table
-    r = run_spec_bench(a.model, k=a.num_speculative_tokens, max_tokens=a.max_tokens, batch_sizes=tuple(a.batch_sizes), batch_tokens=a.batch_tokens,
-                       rounds=a.rounds, device=a.device, dtype=a.dtype, backend=a.backend, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
-                          enforce_eager=a.enforce_eager)
+    from mini_infer.bench_spec import run_spec_bench, format_spec_table
+
+    r = run_spec_bench(
+        a.model,
+        k=a.num_speculative_tokens,
+        max_tokens=a.max_tokens,
+        batch_sizes=tuple(a.batch_sizes),
+        batch_tokens=a.batch_tokens,
+        rounds=a.rounds,
+        device=a.device,
+        dtype=a.dtype,
+        backend=a.backend,
+        quantization=a.quantization,
+        kv_cache_dtype=a.kv_cache_dtype,
+        enforce_eager=a.enforce_eager,
+    )
     print(format_spec_table(r))
-    if a.save_json: Path(a.save_json).write_text(json.dumps(r, indent=2, default=str))
+    if a.save_json:
+        Path(a.save_json).write_text(json.dumps(r, indent=2, default=str))
+
 
 def cmd_bench_serve(a):
     from mini_infer.bench_serve import run_bench_serve, sweep
-    kw = dict(model=a.model, num_prompts=a.num_prompts, input_len=a.input_len, output_len=a.output_len, burstiness=a.burstiness,
-              max_concurrency=a.max_concurrency, prompts_file=a.prompts_file, seed=a.seed, slo_ttft_ms=a.slo_ttft_ms,
-              slo_tpot_ms=a.slo_tpot_ms, api_key=a.api_key, save_json=a.save_json, ignore_eos=a.ignore_eos)
-    if len(a.request_rate) > 1: sweep(a.request_rate, url=a.url, **kw)
-    else: run_bench_serve(a.url, request_rate=a.request_rate[0], **kw)
+
+    kw = dict(
+        model=a.model,
+        num_prompts=a.num_prompts,
+        input_len=a.input_len,
+        output_len=a.output_len,
+        burstiness=a.burstiness,
+        max_concurrency=a.max_concurrency,
+        prompts_file=a.prompts_file,
+        seed=a.seed,
+        slo_ttft_ms=a.slo_ttft_ms,
+        slo_tpot_ms=a.slo_tpot_ms,
+        api_key=a.api_key,
+        save_json=a.save_json,
+        ignore_eos=a.ignore_eos,
+    )
+    if len(a.request_rate) > 1:
+        sweep(a.request_rate, url=a.url, **kw)
+    else:
+        run_bench_serve(a.url, request_rate=a.request_rate[0], **kw)
+
 
 def cmd_serve(a):
     from mini_infer.server import serve
-    serve(a.model, host=a.host, port=a.port, api_key=a.api_key, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-          kv_cache_memory_gb=a.kv_cache_memory, gpu_memory_utilization=a.gpu_memory_utilization, dtype=a.dtype, device=a.device,
-          max_waiting=a.max_waiting, backend=a.backend, enable_prefix_caching=a.enable_prefix_caching, quantization=a.quantization,
-          kv_cache_dtype=a.kv_cache_dtype, speculative_config=a.speculative_config, enforce_eager=a.enforce_eager)
+
+    serve(
+        a.model,
+        host=a.host,
+        port=a.port,
+        api_key=a.api_key,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        kv_cache_memory_gb=a.kv_cache_memory,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        dtype=a.dtype,
+        device=a.device,
+        max_waiting=a.max_waiting,
+        backend=a.backend,
+        enable_prefix_caching=a.enable_prefix_caching,
+        quantization=a.quantization,
+        kv_cache_dtype=a.kv_cache_dtype,
+        speculative_config=a.speculative_config,
+        enforce_eager=a.enforce_eager,
+    )
 
 # %% ../nbs/90_cli.ipynb #be36cd5a
 def _json_object(text: str) -> dict:
     "A JSON object given on the command line."
-    try: d = json.loads(text)
-    except json.JSONDecodeError as e: raise argparse.ArgumentTypeError(f"not valid JSON: {e}")
-    if not isinstance(d, dict): raise argparse.ArgumentTypeError("expected a JSON object")
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}")
+    if not isinstance(d, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
     return d
 
+
 def _model_args(p):
-    p.add_argument("--model", "-m", default=None, help="Hub id, local directory, .gguf file or 'smollm2-135m' (default: Qwen2.5-0.5B-Instruct if available, else the bundled SmolLM2)")
+    p.add_argument(
+        "--model",
+        "-m",
+        default=None,
+        help="Hub id, local directory, .gguf file or 'smollm2-135m' (default: Qwen2.5-0.5B-Instruct if available, else the bundled SmolLM2)",
+    )
     p.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
-    p.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: float32 on CPU, bf16/fp16 on GPU)")
-    p.add_argument("--backend", default="auto", choices=["auto", "torch", "cpu"],
-                   help="torch (plain PyTorch), cpu (chapter 7's C kernels), or auto: the kernels where they build, else PyTorch")
-    p.add_argument("--quantization", "-q", default=None, help="int8: weights stored in int8, one scale per output channel (default: as loaded)")
-    p.add_argument("--kv-cache-dtype", default="auto", help="int8: K/V stored in int8, a scale per token and head (default auto: the model's dtype)")
-    p.add_argument("--enforce-eager", action="store_true", help="run every decode step in Python (default: record them once and replay them from C, on CPUs)")
-    p.add_argument("--speculative-config", type=_json_object, default=None,
-                   help='speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' or {"method": "draft_model", "model": NAME, ...}')
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float32, float16 or bfloat16 (default: float32 on CPU, bf16/fp16 on GPU)",
+    )
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "torch", "cpu"],
+        help="torch (plain PyTorch), cpu (chapter 7's C kernels), or auto: the kernels where they build, else PyTorch",
+    )
+    p.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="int8: weights stored in int8, one scale per output channel (default: as loaded)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="int8: K/V stored in int8, a scale per token and head (default auto: the model's dtype)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every decode step in Python (default: record them once and replay them from C, "
+        "on CPUs)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        'or {"method": "draft_model", "model": NAME, ...}',
+    )
+
 
 def _sampling_args(p):
     p.add_argument("--max-tokens", type=int, default=256)
@@ -131,64 +283,154 @@ def _sampling_args(p):
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
 
+
 def _memory_args(p):
-    p.add_argument("--kv-cache-memory", type=float, default=None, help="KV pool size in GB (default: 1 GB on CPU, a fraction of free GPU memory on CUDA)")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=None,
+        help="KV pool size in GB (default: 1 GB on CPU, a fraction of free GPU memory on CUDA)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+
+
+def _run_commands(sub):
+    "generate, chat, info and serve."
+    p = sub.add_parser("generate", help="complete prompts")
+    _model_args(p)
+    _sampling_args(p)
+    p.add_argument("prompts", nargs="+")
+    p.set_defaults(fn=cmd_generate)
+    p = sub.add_parser("chat", help="chat with a model: one message, or interactive with none")
+    _model_args(p)
+    _sampling_args(p)
+    p.add_argument("message", nargs="*")
+    p.add_argument("--system", default=None)
+    p.set_defaults(fn=cmd_chat)
+    p = sub.add_parser("info", help="device, versions and KV-cache memory plan")
+    _model_args(p)
+    _memory_args(p)
+    p.add_argument("--block-size", type=int, default=16)
+    p.set_defaults(fn=cmd_info)
+    p = sub.add_parser("serve", help="OpenAI-compatible server")
+    _model_args(p)
+    _memory_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (or set MINI_INFER_API_KEY)",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument(
+        "--max-waiting", type=int, default=1024, help="queue length beyond which requests get 429"
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share the KV blocks of common prompt prefixes between requests (default: on)",
+    )
+    p.set_defaults(fn=cmd_serve)
+
+
+def _bench_commands(sub):
+    "bench offline, serve, prefix and spec."
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("offline", help="offline throughput against transformers")
+    _model_args(p)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=[32, 256])
+    p.add_argument("--output-len", type=int, nargs=2, default=[32, 128])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=32, help="batch size of the static baselines")
+    p.add_argument(
+        "--threads", type=int, default=None, help="CPU threads (default: torch's choice)"
+    )
+    p.add_argument("--save-json", default=None)
+    p.add_argument("--no-peers", action="store_true", help="skip transformers")
+    p.set_defaults(fn=cmd_bench_offline)
+    p = bench.add_parser("serve", help="latency and throughput of any OpenAI-compatible server")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None)
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=[math.inf],
+        help="requests/s (Poisson); several values sweep a curve",
+    )
+    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--prompts-file", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--save-json", default=None)
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="ask for exactly --output-len tokens (a vLLM extension: OpenAI's API and some servers "
+        "reject it)",
+    )
+    p.set_defaults(fn=cmd_bench_serve)
+    _bench_cache_commands(bench)
+
+
+def _bench_cache_commands(bench):
+    "bench prefix and spec: chapters 4 and 5's benchmarks."
+    p = bench.add_parser(
+        "prefix", help="prefix caching: TTFT, hit rates, throughput with the cache on and off"
+    )
+    _model_args(p)
+    p.add_argument("--prefix-len", type=int, default=1024)
+    p.add_argument("--suffix-len", type=int, nargs=2, default=[16, 64])
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--conversations", type=int, default=4)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-json", default=None)
+    p.set_defaults(fn=cmd_bench_prefix)
+    p = bench.add_parser(
+        "spec",
+        help="speculative decoding: verify cost, n-gram guesses per task, throughput against "
+        "batch size",
+    )
+    _model_args(p)
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--batch-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--save-json", default=None)
+    p.set_defaults(fn=cmd_bench_spec)
+
 
 def build_parser() -> argparse.ArgumentParser:
     "The `mini-infer` command and its subcommands."
-    ap = argparse.ArgumentParser(prog="mini-infer", description="A teaching-first LLM inference engine in plain PyTorch.")
+    ap = argparse.ArgumentParser(
+        prog="mini-infer", description="A teaching-first LLM inference engine in plain PyTorch."
+    )
     sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("generate", help="complete prompts"); _model_args(p); _sampling_args(p)
-    p.add_argument("prompts", nargs="+"); p.set_defaults(fn=cmd_generate)
-    p = sub.add_parser("chat", help="chat with a model: one message, or interactive with none"); _model_args(p); _sampling_args(p)
-    p.add_argument("message", nargs="*"); p.add_argument("--system", default=None); p.set_defaults(fn=cmd_chat)
-    p = sub.add_parser("info", help="device, versions and KV-cache memory plan"); _model_args(p); _memory_args(p)
-    p.add_argument("--block-size", type=int, default=16); p.set_defaults(fn=cmd_info)
-    p = sub.add_parser("serve", help="OpenAI-compatible server"); _model_args(p); _memory_args(p)
-    p.add_argument("--host", default="127.0.0.1"); p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set MINI_INFER_API_KEY)")
-    p.add_argument("--max-num-seqs", type=int, default=None); p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-waiting", type=int, default=1024, help="queue length beyond which requests get 429")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="share the KV blocks of common prompt prefixes between requests (default: on)")
-    p.set_defaults(fn=cmd_serve)
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    p = bench.add_parser("offline", help="offline throughput against transformers"); _model_args(p)
-    p.add_argument("--num-requests", type=int, default=64); p.add_argument("--input-len", type=int, nargs=2, default=[32, 256])
-    p.add_argument("--output-len", type=int, nargs=2, default=[32, 128]); p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=32, help="batch size of the static baselines")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
-    p.add_argument("--save-json", default=None); p.add_argument("--no-peers", action="store_true", help="skip transformers")
-    p.set_defaults(fn=cmd_bench_offline)
-    p = bench.add_parser("serve", help="latency and throughput of any OpenAI-compatible server")
-    p.add_argument("--url", default="http://127.0.0.1:8000"); p.add_argument("--model", default=None)
-    p.add_argument("--num-prompts", type=int, default=100); p.add_argument("--input-len", type=int, default=64); p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf], help="requests/s (Poisson); several values sweep a curve")
-    p.add_argument("--burstiness", type=float, default=1.0); p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--prompts-file", default=None); p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo-ttft-ms", type=float, default=None); p.add_argument("--slo-tpot-ms", type=float, default=None)
-    p.add_argument("--api-key", default=None); p.add_argument("--save-json", default=None)
-    p.add_argument("--ignore-eos", action="store_true", help="ask for exactly --output-len tokens (a vLLM extension: OpenAI's API and some servers reject it)")
-    p.set_defaults(fn=cmd_bench_serve)
-    p = bench.add_parser("prefix", help="prefix caching: TTFT, hit rates, throughput with the cache on and off"); _model_args(p)
-    p.add_argument("--prefix-len", type=int, default=1024); p.add_argument("--suffix-len", type=int, nargs=2, default=[16, 64])
-    p.add_argument("--num-requests", type=int, default=16); p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--trials", type=int, default=5); p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--conversations", type=int, default=4); p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--seed", type=int, default=0); p.add_argument("--save-json", default=None)
-    p.set_defaults(fn=cmd_bench_prefix)
-    p = bench.add_parser("spec", help="speculative decoding: verify cost, n-gram guesses per task, throughput against batch size"); _model_args(p)
-    p.add_argument("--num-speculative-tokens", "-k", type=int, default=8); p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32]); p.add_argument("--batch-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=2); p.add_argument("--save-json", default=None)
-    p.set_defaults(fn=cmd_bench_spec)
+    _run_commands(sub)
+    _bench_commands(sub)
     return ap
+
 
 def main(argv=None):
     "Entry point of the `mini-infer` command."
     a = build_parser().parse_args(argv)
-    try: a.fn(a)
-    except (ValueError, FileNotFoundError) as e:   # bad input: one clear line, no traceback
+    try:
+        a.fn(a)
+    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
         print(f"mini-infer: error: {e}", file=sys.stderr)
         sys.exit(2)

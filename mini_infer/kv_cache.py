@@ -6,36 +6,77 @@ __all__ = ['PagedKVCache']
 # %% ../nbs/02_paged_cache.ipynb #fdab4049
 import torch
 from .model import ModelConfig, KVCache
-from .block_manager import BlockTable
 from .paged_attention import StepInputs, AttentionBackend, TorchAttention
 
 # %% ../nbs/02_paged_cache.ipynb #6754e6ea
 class PagedKVCache(KVCache):
-    "K/V of many sequences in one pool of fixed-size blocks, for all layers; attention goes through a backend."
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16, device=None, dtype=torch.float32,
-                 backend: AttentionBackend | None = None):
+    """K/V of many sequences in one pool of fixed-size blocks, for all layers; attention goes
+    through a backend."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int = 16,
+        device=None,
+        dtype=torch.float32,
+        backend: AttentionBackend | None = None,
+    ):
         self.backend = backend or TorchAttention()
-        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.k, self.v = self.backend.allocate(shape, dtype, device), self.backend.allocate(shape, dtype, device)
+        shape = (
+            cfg.num_hidden_layers,
+            num_blocks,
+            block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.k, self.v = (
+            self.backend.allocate(shape, dtype, device),
+            self.backend.allocate(shape, dtype, device),
+        )
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, self.k.device
 
-    def make_step(self, rows: list[tuple[list[int], int, BlockTable, int]]) -> StepInputs:
-        """`StepInputs` for rows (token ids, position of the first, block table holding their slots, number of logits wanted
-        for the row's last tokens); rows of one token first. Built once, checked against the pool, planned by the backend."""
-        ids, pos, slots, qlens, ctx, logits, tables = [], [], [], [], [], [], []
-        for tokens, start, table, n_logits in rows:
+    def make_step(self, rows: list[tuple[list[int], int, list[int], int]]) -> StepInputs:
+        """`StepInputs` for rows (token ids, position of the first, the row's blocks, number of
+        logits wanted for its last tokens), rows of one token first. Built once, on the device,
+        checked against the pool, planned by the backend."""
+        ids, pos, slots, qlens, ctx, logits, tables, B = [], [], [], [], [], [], [], self.block_size
+        for tokens, start, blocks, n_logits in rows:
             n = len(tokens)
-            slots += table.slots(start, n)             # raises if the table does not hold these positions
+            if start + n > len(blocks) * B:
+                raise ValueError(
+                    f"positions {start}..{start + n - 1} are outside the row's {len(blocks)} blocks"
+                )
+            slots += [blocks[p // B] * B + p % B for p in range(start, start + n)]
             logits += range(len(ids) + n - n_logits, len(ids) + n)
-            ids += tokens; pos += range(start, start + n); qlens.append(n); ctx.append(start + n); tables.append(table.blocks)
+            ids += tokens
+            pos += range(start, start + n)
+            qlens.append(n)
+            ctx.append(start + n)
+            tables.append(blocks)
         if max((b for t in tables for b in t), default=0) >= self.num_blocks:
-            raise ValueError(f"block tables name blocks outside the pool (0..{self.num_blocks - 1})")
+            raise ValueError(
+                f"block tables name blocks outside the pool (0..{self.num_blocks - 1})"
+            )
         width, R, T = max(map(len, tables)), len(rows), len(ids)
-        host = torch.tensor(ids + pos + slots + ctx + logits + [b for t in tables for b in t + [0] * (width - len(t))])
-        if self.device.type == "cuda": host = host.pin_memory()
+        padded = [b for t in tables for b in t + [0] * (width - len(t))]
+        host = torch.tensor(ids + pos + slots + ctx + logits + padded)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
         dev = host.to(self.device, non_blocking=True)
-        i, p, s, c, l, bt = dev.split([T, T, T, R, len(logits), R * width])
-        step = StepInputs(i, p, s, bt.view(R, width), c, l, qlens, ctx, next((r for r, n in enumerate(qlens) if n != 1), R))
+        i, p, s, c, lg, bt = dev.split([T, T, T, R, len(logits), R * width])
+        num_decodes = next((r for r, n in enumerate(qlens) if n != 1), R)
+        step = StepInputs(
+            i,
+            p,
+            lg,
+            slot_mapping=s,
+            block_tables=bt.view(R, width),
+            context_lens=c,
+            query_lens=qlens,
+            seq_lens=ctx,
+            num_decodes=num_decodes,
+        )
         step.attn = self.backend.plan(step, self.block_size)
         return step
 

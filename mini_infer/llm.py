@@ -11,38 +11,84 @@ from .outputs import RequestOutput, as_prompt_list, as_params_list
 from .engine import LLMEngine, EngineConfig
 
 # %% ../nbs/03_continuous_batching.ipynb #d1840d60
-def run_to_completion(engine: LLMEngine, prompts: list, params: list[SamplingParams], use_tqdm: bool | None = None) -> list[RequestOutput]:
-    "Submit every prompt (text or token ids) to `engine` and step until all are done; results in prompt order."
+def run_to_completion(
+    engine: LLMEngine,
+    prompts: list,
+    params: list[SamplingParams],
+    use_tqdm: bool | None = None,
+    max_steps: int | None = None,
+) -> list[RequestOutput]:
+    """Submit every prompt (text or token ids) to `engine` and step until all are done; results
+    in prompt order. With `max_steps`, a run that takes more steps raises instead of going on
+    (tests use it against hangs)."""
     seqs = []
     try:
-        for p, sp in zip(prompts, as_params_list(params, len(prompts))): seqs.append(engine.seqs[engine.add_request(p, sp)])
-        with tqdm(total=len(seqs), disable=not (use_tqdm if use_tqdm is not None else len(seqs) >= 64), desc="requests") as bar:
+        for p, sp in zip(prompts, as_params_list(params, len(prompts))):
+            seqs.append(engine.seqs[engine.add_request(p, sp)])
+        show = use_tqdm if use_tqdm is not None else len(seqs) >= 64
+        with tqdm(total=len(seqs), disable=not show, desc="requests") as bar:
+            steps = 0
             while engine.has_unfinished():
+                if max_steps is not None and steps >= max_steps:
+                    raise RuntimeError(f"not done after {max_steps} steps")
                 engine.step()
+                steps += 1
                 bar.update(sum(s.finish_reason is not None for s in seqs) - bar.n)
     finally:  # on an error or Ctrl-C, leave nothing behind in the engine
         for s in seqs:
-            if s.finish_reason is None: engine.abort(s.request_id)
+            if s.finish_reason is None:
+                engine.abort(s.request_id)
     return [s.output() for s in seqs]
+
 
 def as_conversations(messages) -> list[list[dict]]:
     "One conversation (list of message dicts) or a list of them -> a list of conversations."
-    if messages and isinstance(messages[0], dict): return [messages]
+    if messages and isinstance(messages[0], dict):
+        return [messages]
     return list(messages)
 
+
 class LLM:
-    "Load a model by name and generate from it on the batching engine: `LLM('smollm2-135m').generate('Hello', SamplingParams(max_tokens=8))`."
-    def __init__(self, model: str | None = None, device=None, dtype=None, engine: LLMEngine | None = None, **engine_kwargs):
-        if engine is None: engine = LLMEngine(*load_model(model, device=device, dtype=dtype), EngineConfig(**engine_kwargs))
-        elif model is not None or engine_kwargs: raise ValueError("give LLM a model name (and engine options) or an engine, not both")
+    """Load a model by name and generate from it on the batching engine:
+    `LLM('smollm2-135m').generate('Hello', SamplingParams(max_tokens=8))`."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        device=None,
+        dtype=None,
+        engine: LLMEngine | None = None,
+        **engine_kwargs,
+    ):
+        if engine is None:
+            engine = LLMEngine(
+                *load_model(model, device=device, dtype=dtype), EngineConfig(**engine_kwargs)
+            )
+        elif model is not None or engine_kwargs:
+            raise ValueError("give LLM a model name (and engine options) or an engine, not both")
         self.engine, self.model, self.tokenizer = engine, engine.model, engine.tokenizer
         self.model_name = getattr(engine.model, "name_or_path", engine.model.config.architecture)
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool | None = None) -> list[RequestOutput]:
-        "Generate a completion for each prompt (text or token ids), all batched together by the engine."
+    def generate(
+        self,
+        prompts,
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate a completion for each prompt (text or token ids), all batched together by the
+        engine."""
         prompts = as_prompt_list(prompts)
-        return run_to_completion(self.engine, prompts, as_params_list(params, len(prompts)), use_tqdm)
+        return run_to_completion(
+            self.engine, prompts, as_params_list(params, len(prompts)), use_tqdm
+        )
 
-    def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
         "Reply to one conversation (a list of {'role', 'content'} dicts) or to a list of them."
-        return self.generate([self.tokenizer.encode_chat(m) for m in as_conversations(messages)], params, use_tqdm)
+        return self.generate(
+            [self.tokenizer.encode_chat(m) for m in as_conversations(messages)], params, use_tqdm
+        )

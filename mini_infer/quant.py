@@ -6,239 +6,301 @@ Docs: https://mini-infer.github.io/mini-infer/quantization.html.md"""
 
 # %% auto #0
 __all__ = ['WIDEN_C', 'INT8_KERNELS_C', 'INT8_ATTENTION_C', 'quantize_int8', 'dequantize_int8', 'panel_width', 'unpack_panels',
-           'Int8Linear', 'Int8Embedding', 'Int8Attention', 'Int8MLP', 'quantize_model', 'int8_kernels',
-           'int8_kernel_applies', 'linear_int8', 'linear_glu_int8', 'quantize_kv', 'dequantize_kv', 'Int8KVAttention',
-           'int8_attention_kernels', 'paged_decode_int8']
+           'Int8Method', 'quantize_model', 'int8_kernels', 'int8_kernel_applies', 'linear_int8', 'quantize_kv',
+           'dequantize_kv', 'Int8KVAttention', 'int8_attention_kernels', 'paged_decode_int8']
 
 # %% ../nbs/08_quantization.ipynb #e660d4de
-import copy, ctypes, functools
+import ctypes, functools
 from dataclasses import replace
 
 # %% ../nbs/08_quantization.ipynb #c3d764a7
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from .model import Attention, MLP, CausalLM
+from .layers import LinearMethod, LinearBase
+from .model import CausalLM
 from .paged_attention import AttentionBackend, StepInputs, TorchAttention
-from .cpu_kernels import CPU_KERNELS_C, PAGED_DECODE_C, SHORT_ROW, CPUAttention, KernelLibrary, KernelPlan, cpu_kernels, load_library, pack_weight
+from .kernel_build import SIMD_C, KernelLibrary, load_library
+from .linear_kernels import TILES_C, linear_kernels, pack_weight
+from .attention_kernels import PAGED_DECODE_C, SHORT_ROW, CPUAttention, KernelPlan
 
 # %% ../nbs/08_quantization.ipynb #a651a358
-def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 of `w` [N, K]: `q` [N, K] int8 and float32 scales [N, K // group_size], one per output channel
-    with `group_size=None`; `w ≈ q * scale`, off by at most scale / 2."""
+def quantize_int8(
+    w: torch.Tensor, group_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 of `w` [N, K]: `q` [N, K] int8 and float32 scales [N, K // group_size], one
+    per output channel with `group_size=None`; `w ≈ q * scale`, off by at most scale / 2."""
     N, K = w.shape
     g = group_size or K
-    if g < 1 or K % g: raise ValueError(f"group_size {group_size} must divide in_features {K}")
+    if g < 1 or K % g:
+        raise ValueError(f"group_size {group_size} must divide in_features {K}")
     wg = w.detach().float().view(N, K // g, g)
     scale = wg.abs().amax(-1) / 127
     q = (wg / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round().clamp(-127, 127)
     return q.to(torch.int8).view(N, K), scale
 
+
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    "`q * scale` in `dtype`, each scale applied to its group of columns: the float weight `quantize_int8` approximates."
+    """`q * scale` in `dtype`, each scale applied to its group of columns: the float weight
+    `quantize_int8` approximates."""
     N, K = q.shape
     return (q.view(N, scale.shape[1], -1).to(dtype) * scale[..., None].to(dtype)).view(N, K)
 
 # %% ../nbs/08_quantization.ipynb #a8a52bc2
 def panel_width() -> int:
-    "Output columns per panel in chapter 7's packed layout: its kernels' block (32 with AVX-512, 16 with AVX2), or 32 where they do not build."
-    lib = cpu_kernels()
+    """Output columns per panel in chapter 7's packed layout: its kernels' block, or 32 where
+    they do not build."""
+    lib = linear_kernels()
     return lib.packed_block() if lib is not None else 32
+
 
 def unpack_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
     "The first `n` rows [n, C] of what `pack_weight` packed into `panels` [P, C, block]."
     return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:n]
 
-class Int8Linear(nn.Module):
-    """`nn.Linear` with an int8 weight and float32 scales (per output channel, or per group of `group_size` inputs), kept
-    in panels: `qweight` [P, in_features, block] and `scale` [P, in_features / group_size, block]."""
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int | None = None):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        if group_size and self.in_features % group_size: group_size = None   # groups must tile the row: else one scale a row
-        self.group_size = group_size or self.in_features
-        q, s = quantize_int8(weight, group_size)
-        self.register_buffer("qweight", pack_weight(q, panel_width()))
-        self.register_buffer("scale", pack_weight(s, panel_width()))
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.kernel_ok = int8_kernels() is not None and (bias is None or bias.dtype == torch.float32)   # chapter 8's C kernel (below) takes it
 
-    def dequantized(self, dtype=torch.float32) -> torch.Tensor:
-        "The float weight [out_features, in_features] that the int8 one approximates."
-        return dequantize_int8(unpack_panels(self.qweight, self.out_features), unpack_panels(self.scale, self.out_features), dtype)
+class Int8Method(LinearMethod):
+    """W8A16: a layer's weight in int8 with float32 scales (per group of `group_size` inputs
+    where that divides them, else per output channel), both in chapter 7's panels: `weight` [P,
+    in, block] int8, `scale` [P, in / group, block]. The stacked weights of a fused layer are
+    quantized as one. On CPUs the C kernel below computes with them, on other devices (or with
+    `use_kernels=False`) PyTorch does, over the weight dequantized."""
 
-    def forward(self, x):
-        if int8_kernel_applies(x, self): return _linear_int8(x, self)[0]   # the C kernel below, on CPUs
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
+    float_weights = False
 
-    def extra_repr(self): return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, bias={self.bias is not None}"
+    def __init__(self, group_size: int | None = 64, use_kernels: bool = True):
+        self.group_size, self.use_kernels = group_size, use_kernels
 
-# %% ../nbs/08_quantization.ipynb #65a41abb
-class Int8Embedding(nn.Module):
-    "Embedding rows looked up in an `Int8Linear`'s int8 weight and dequantized: a tied LM head and embedding share one copy."
-    def __init__(self, table: Int8Linear, dtype=torch.float32): super().__init__(); self.table, self.dtype = table, dtype
+    def process_weights(self, layer: LinearBase):
+        if isinstance(layer.method, Int8Method):
+            return
+        weight, bias = layer.method.dense(layer)
+        K, g = layer.in_features, self.group_size
+        # groups must tile the row: else one scale a row
+        layer.group_size = g if g and K % g == 0 else K
+        N, K = weight.shape
+        q, scale = weight.new_empty(N, K, dtype=torch.int8), weight.new_empty(N, K // layer.group_size)
+        for i in range(0, N, 4096):  # a few rows at a time: the temporaries stay small next to the weight
+            q[i : i + 4096], scale[i : i + 4096] = quantize_int8(weight[i : i + 4096], layer.group_size)
+        layer.set_weights(pack_weight(q, panel_width()), bias)
+        layer.register_buffer("scale", pack_weight(scale, panel_width()))
 
-    def forward(self, ids):
-        t, flat = self.table, ids.flatten()
-        panel, col = flat // t.qweight.shape[-1], flat % t.qweight.shape[-1]   # row n is column n % block of panel n // block
-        return dequantize_int8(t.qweight[panel, :, col], t.scale[panel, :, col], self.dtype).view(*ids.shape, -1)
+    def dense(self, layer: LinearBase):
+        "The float weight the int8 one approximates, and the bias."
+        n = layer.out_features
+        w = dequantize_int8(unpack_panels(layer.weight, n), unpack_panels(layer.scale, n))
+        return w, layer.bias
 
-class Int8Attention(Attention):
-    "`Attention` whose q, k and v come from one `Int8Linear` of the three weights stacked."
-    def __init__(self, attn: Attention, group_size: int | None = None):
-        nn.Module.__init__(self)
-        self.layer_idx, self.n_heads, self.n_kv, self.head_dim, self.rope = attn.layer_idx, attn.n_heads, attn.n_kv, attn.head_dim, attn.rope
-        ls = (attn.q_proj, attn.k_proj, attn.v_proj)
-        bias = torch.cat([l.bias for l in ls]) if attn.q_proj.bias is not None else None
-        self.qkv_proj = Int8Linear(torch.cat([l.weight for l in ls]), bias, group_size)
-        self.o_proj, self.sizes = Int8Linear(attn.o_proj.weight, attn.o_proj.bias, group_size), [l.out_features for l in ls]
-        self.whole_panels = all(n % panel_width() == 0 for n in self.sizes[:-1])   # q and k each whole panels of the stack
+    def _kernel(self, layer: LinearBase, x: torch.Tensor) -> bool:
+        """Whether the C kernel takes this product: CPU float32 activations and weights, the
+        kernel built."""
+        return self.use_kernels and int8_kernel_applies(x, layer)
 
-    def qkv(self, x):
-        "One product; on CPUs, by the kernel below into three tensors (q, k, v each contiguous) when q and k are whole panels."
-        if self.whole_panels and int8_kernel_applies(x, self.qkv_proj): return _linear_int8(x, self.qkv_proj, sizes=self.sizes)
-        return self.qkv_proj(x).split(self.sizes, -1)
+    def _whole_panels(self, layer: LinearBase, sizes: list[int]) -> bool:
+        """Whether each of `sizes` but the last fills whole panels: the kernel writes each output
+        apart then."""
+        return all(n % layer.weight.shape[-1] == 0 for n in sizes[:-1])
 
-class Int8MLP(nn.Module):
-    "SwiGLU with the gate and up weights stacked in one `Int8Linear`, and an int8 down projection."
-    def __init__(self, mlp: MLP, group_size: int | None = None):
-        super().__init__()
-        self.gate_up = Int8Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, group_size)
-        self.down_proj = Int8Linear(mlp.down_proj.weight, None, group_size)
-        self.whole_panels = mlp.gate_proj.out_features % panel_width() == 0     # the gate and up halves each whole panels
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel(layer, x):
+            return _linear_int8(x, layer)[0]
+        w, b = self.dense(layer)
+        return F.linear(x, w.to(x.dtype), b)
 
-    def forward(self, x):
-        gu = self.gate_up
-        if self.whole_panels and int8_kernel_applies(x, gu): return self.down_proj(_linear_int8(x, gu, glu=True)[0])
-        g, u = gu(x).chunk(2, -1)              # the plain path; on CPUs, the kernel below does it in one pass
-        return self.down_proj(F.silu(g) * u)
+    def apply_split(self, layer: LinearBase, x: torch.Tensor) -> list[torch.Tensor]:
+        """On CPUs one kernel call writes q, k and v apart (each contiguous), when q and k are
+        whole panels."""
+        if self._kernel(layer, x) and self._whole_panels(layer, layer.output_sizes):
+            return _linear_int8(x, layer, sizes=layer.output_sizes)
+        return super().apply_split(layer, x)
 
-def _quantized(m: nn.Module, group_size):
-    if isinstance(m, Attention): return Int8Attention(m, group_size)
-    if isinstance(m, MLP): return Int8MLP(m, group_size)
-    if isinstance(m, nn.Linear): return Int8Linear(m.weight, m.bias, group_size)
-    return None
+    def apply_glu(
+        self, layer: LinearBase, x: torch.Tensor, y: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        "On CPUs one kernel pass computes silu(gate) * up, when the gate's half is whole panels."
+        if y is None and self._kernel(layer, x) and self._whole_panels(layer, layer.output_sizes):
+            return _linear_int8(x, layer, glu=True)[0]
+        return super().apply_glu(layer, x, y)
+
+    def embed(self, layer: LinearBase, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the table, dequantized: a tied LM head and embedding share the one int8
+        copy."""
+        flat, nb = ids.flatten(), layer.weight.shape[-1]
+        panel, col = flat // nb, flat % nb  # row n is column n % block of panel n // block
+        rows = dequantize_int8(layer.weight[panel, :, col], layer.scale[panel, :, col])
+        return rows.view(*ids.shape, -1)
+
 
 def quantize_model(model: CausalLM, group_size: int | None = 64) -> CausalLM:
-    """A copy of `model` with int8 weights (W8A16) in every linear layer and the LM head (and a tied embedding): a scale
-    per group of `group_size` inputs where that divides the layer's inputs, else (and with None) per output channel.
-    Norms and an untied embedding stay as they are; `model` itself is left as it was."""
-    def convert(m):
-        new = _quantized(m, group_size)
-        if new is not None: return new
-        new = copy.copy(m)
-        new._modules = {k: convert(c) if c is not None else None for k, c in m._modules.items()}
-        return new
-    q = convert(model)
-    if model.config.tie_word_embeddings: q.model.embed_tokens = Int8Embedding(q.lm_head, model.dtype)
-    return q
+    """`model` with int8 weights (W8A16) in every linear layer and the LM head (and so a tied
+    embedding), in place: the float weights are replaced. Norms and an untied embedding stay as
+    they are."""
+    for layer in model.linear_layers():
+        layer.set_method(Int8Method(group_size))
+    return model
 
 # %% ../nbs/08_quantization.ipynb #0a60ade4
 WIDEN_C = r"""
-/* int8 -> float, VL lanes (of a float vector type vf). GCC 12 turns a generic __builtin_convertvector of int8 into one scalar convert a lane, so
-   x86 gets the two widening instructions by name (vpmovsxbd, vcvtdq2ps). */
+/* int8 -> float, VL lanes (of a float vector type vf). GCC 12 turns a generic
+   __builtin_convertvector of int8 into one scalar convert a lane, so x86 gets the two widening
+   instructions by name (vpmovsxbd, vcvtdq2ps). */
 #if defined(__AVX512F__)
 #include <immintrin.h>
-static inline vf widen(const int8_t *p) { return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline vf widen(const int8_t *p) {
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
 #elif defined(__AVX2__)
 #include <immintrin.h>
-static inline vf widen(const int8_t *p) { return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+static inline vf widen(const int8_t *p) {
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
 #else
-static inline vf widen(const int8_t *p) { vf w; for (int i = 0; i < VL; i++) w[i] = p[i]; return w; }
+static inline vf widen(const int8_t *p) {
+    vf w;
+    for (int i = 0; i < VL; i++) w[i] = p[i];
+    return w;
+}
 #endif
-
 """
 
-INT8_KERNELS_C = CPU_KERNELS_C + WIDEN_C + r"""
+INT8_KERNELS_C = r"""
 #include <stdlib.h>
 
-static inline vf load_f(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline vf load_f(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
 
-/* VL weights of a panel row dequantized: widened, times their columns' scales. Both paths below compute them so. */
+/* VL weights of a panel row dequantized: widened, times their columns' scales. Both paths below
+ * compute them so. */
 #define DEQUANTIZED(p, scales) (widen(p) * (scales))
 
-/* chapter 7's tile##R with the panel read as int8, over NP panels: y[R rows, columns of NP panels, the last one's
-   nc <= NB] = x[R, K] @ (q * s) + b. Panel i is q + i qs [K, NB] with scales s + i ss [K / gs, NB], a scale a column
-   for each group of gs rows; b [NP NB]. One row of x (decoding alone) keeps only 2 sums per panel in flight, each
-   waiting on the last FMA, so it takes 4 panels at once; 2 rows take 2. With glu (NP = 2: the gate panel, then the up
-   panel of the same outputs) y = silu(gate) * up, as chapter 7's wide_tile computes it. */
-#define ITILE(R, NP)                                                                                                \
-static void itile##R##_##NP(const float *x, int64_t K, const int8_t *q, int64_t qs, const float *s, int64_t ss,      \
-                            int64_t gs, const float *b, float *y, int64_t ldy, int64_t nc, int glu) {               \
-    const int64_t ng = K / gs;                                                                                      \
-    vf acc[R][2 * NP];                                                                                              \
-    for (int r = 0; r < R; r++) for (int c = 0; c < 2 * NP; c++) acc[r][c] = load_f(b + c / 2 * NB + c % 2 * VL);  \
-    for (int64_t g = 0; g < ng; g++) {                                                                              \
-        vf sc[2 * NP];                                                                                              \
-        for (int c = 0; c < 2 * NP; c++) sc[c] = load_f(s + c / 2 * ss + g * NB + c % 2 * VL);                      \
-        for (int64_t k = g * gs; k < (g + 1) * gs; k++) {                                                           \
-            vf w[2 * NP];                                                                                           \
-            for (int c = 0; c < 2 * NP; c++) w[c] = DEQUANTIZED(q + c / 2 * qs + k * NB + c % 2 * VL, sc[c]);       \
-            for (int r = 0; r < R; r++) { float xs = x[r * K + k]; for (int c = 0; c < 2 * NP; c++) acc[r][c] += xs * w[c]; } \
-        }                                                                                                           \
-    }                                                                                                               \
-    if (glu) for (int r = 0; r < R; r++) for (int j = 0; j < 2; j++) acc[r][j] = acc[r][j] / (1.f + vexp(-acc[r][j])) * acc[r][2 + j]; \
-    for (int r = 0; r < R; r++) for (int i = 0; i < (glu ? 1 : NP); i++) {                                        \
-        const int64_t n = i == NP - 1 || glu ? nc : NB;                                                             \
-        memcpy(y + r * ldy + i * NB, &acc[r][2 * i], (n == NB ? 2 * VL : n) * sizeof(float));                      \
-    }                                                                                                               \
-}
-ITILE(1, 1) ITILE(1, 2) ITILE(1, 3) ITILE(1, 4) ITILE(2, 1) ITILE(2, 2)
-ITILE(3, 1) ITILE(3, 2) ITILE(4, 1) ITILE(4, 2) ITILE(5, 1) ITILE(6, 1)
+/* chapter 7's tile##R with the panel read as int8, over NP panels: y[R rows, columns of NP panels,
+   the last one's nc <= NB] = x[R, K] @ (q * s) + b. Panel i is q + i qs [K, NB] with scales s + i
+   ss [K / gs, NB], a scale a column for each group of gs rows; b [NP NB]. One row of x (decoding
+   alone) keeps only 2 sums per panel in flight, each waiting on the last FMA, so it takes 4 panels
+   at once; 2 rows take 2. With glu (NP = 2: the gate panel, then the up panel of the same outputs)
+   y = silu(gate) * up, as chapter 7's wide_tile computes it. */
+#define ITILE(R, NP)                                                                               \
+    static void itile##R##_##NP(const float *x, int64_t K, const int8_t *q, int64_t qs,            \
+                                const float *s, int64_t ss, int64_t gs, const float *b, float *y,  \
+                                int64_t ldy, int64_t nc, int glu) {                                \
+        const int64_t ng = K / gs;                                                                 \
+        vf acc[R][2 * NP];                                                                         \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int c = 0; c < 2 * NP; c++) acc[r][c] = load_f(b + c / 2 * NB + c % 2 * VL);      \
+        for (int64_t g = 0; g < ng; g++) {                                                         \
+            vf sc[2 * NP];                                                                         \
+            for (int c = 0; c < 2 * NP; c++) sc[c] = load_f(s + c / 2 * ss + g * NB + c % 2 * VL); \
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++) {                                      \
+                vf w[2 * NP];                                                                      \
+                for (int c = 0; c < 2 * NP; c++)                                                   \
+                    w[c] = DEQUANTIZED(q + c / 2 * qs + k * NB + c % 2 * VL, sc[c]);               \
+                for (int r = 0; r < R; r++) {                                                      \
+                    float xs = x[r * K + k];                                                       \
+                    for (int c = 0; c < 2 * NP; c++) acc[r][c] += xs * w[c];                       \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        if (glu)                                                                                   \
+            for (int r = 0; r < R; r++)                                                            \
+                for (int j = 0; j < 2; j++)                                                        \
+                    acc[r][j] = acc[r][j] / (1.f + vexp(-acc[r][j])) * acc[r][2 + j];              \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int i = 0; i < (glu ? 1 : NP); i++) {                                             \
+                const int64_t n = i == NP - 1 || glu ? nc : NB;                                    \
+                memcpy(y + r * ldy + i * NB, &acc[r][2 * i],                                       \
+                       (n == NB ? 2 * VL : n) * sizeof(float));                                    \
+            }                                                                                      \
+    }
+ITILE(1, 1)
+ITILE(1, 2) ITILE(1, 3) ITILE(1, 4) ITILE(2, 1) ITILE(2, 2) ITILE(3, 1) ITILE(3, 2) ITILE(4, 1)
+    ITILE(4, 2) ITILE(5, 1) ITILE(6, 1)
 #if MR > 6
-ITILE(7, 1) ITILE(8, 1) ITILE(9, 1) ITILE(10, 1) ITILE(11, 1) ITILE(12, 1)
+        ITILE(7, 1) ITILE(8, 1) ITILE(9, 1) ITILE(10, 1) ITILE(11, 1) ITILE(12, 1)
 #endif
-typedef void (*itile_fn)(const float *, int64_t, const int8_t *, int64_t, const float *, int64_t, int64_t, const float *, float *, int64_t, int64_t, int);
-static const itile_fn itiles[][5] = {{0}, {0, itile1_1, itile1_2, itile1_3, itile1_4}, {0, itile2_1, itile2_2}, {0, itile3_1, itile3_2}, {0, itile4_1, itile4_2},
-                                     {0, itile5_1}, {0, itile6_1},
+            typedef void (*itile_fn)(const float *, int64_t, const int8_t *, int64_t, const float *,
+                                     int64_t, int64_t, const float *, float *, int64_t, int64_t,
+                                     int);
+static const itile_fn itiles[][5] = {
+    {0},
+    {0, itile1_1, itile1_2, itile1_3, itile1_4},
+    {0, itile2_1, itile2_2},
+    {0, itile3_1, itile3_2},
+    {0, itile4_1, itile4_2},
+    {0, itile5_1},
+    {0, itile6_1},
 #if MR > 6
-                                     {0, itile7_1}, {0, itile8_1}, {0, itile9_1}, {0, itile10_1}, {0, itile11_1}, {0, itile12_1},
+    {0, itile7_1},
+    {0, itile8_1},
+    {0, itile9_1},
+    {0, itile10_1},
+    {0, itile11_1},
+    {0, itile12_1},
 #endif
 };
 
-/* The panel q [K, NB] dequantized into w [K, NB] floats: the same numbers itile computes on the fly. */
+/* The panel q [K, NB] dequantized into w [K, NB] floats: the same numbers itile computes on the
+ * fly. */
 static void dequantize_panel(const int8_t *q, const float *s, int64_t K, int64_t gs, float *w) {
     for (int64_t k0 = 0; k0 < K; k0 += gs, s += NB) {
         const vf s0 = load_f(s), s1 = load_f(s + VL);
         for (int64_t k = k0; k < k0 + gs; k++) {
             const vf w0 = DEQUANTIZED(q + k * NB, s0), w1 = DEQUANTIZED(q + k * NB + VL, s1);
-            memcpy(w + k * NB, &w0, sizeof w0); memcpy(w + k * NB + VL, &w1, sizeof w1);
+            memcpy(w + k * NB, &w0, sizeof w0);
+            memcpy(w + k * NB + VL, &w1, sizeof w1);
         }
     }
 }
 
-/* y_s[M, N_s] = x[M, K] @ W_s.T + b_s for up to three weights W_s stacked in W = q * s, held as panels: q [P, K, NB] int8,
-   s [P, K / gs, NB] float32, b [N0 + N1 + N2] or NULL; each W_s but the last is whole panels, and a tile stays within one.
-   Each thread takes a run of consecutive panels. Up to two tiles of rows read the int8 panels directly; more rows share
-   a float copy of each panel, made once. With glu (one output), W holds SwiGLU's gate and up weights stacked (2 N0 rows,
-   N0 a multiple of NB) and y0 = silu(x @ Wg.T) * (x @ Wu.T): up to 4 rows directly, more through chapter 7's wide_tile. */
-void linear_int8(const float *x, const int8_t *q, const float *s, const float *b, float *y0, int64_t N0, float *y1, int64_t N1,
-                 float *y2, int64_t N2, int64_t M, int64_t K, int64_t gs, int glu, int num_threads) {
+/* y_s[M, N_s] = x[M, K] @ W_s.T + b_s for up to three weights W_s stacked in W = q * s, held as
+   panels: q [P, K, NB] int8, s [P, K / gs, NB] float32, b [N0 + N1 + N2] or NULL; each W_s but the
+   last is whole panels, and a tile stays within one. Each thread takes a run of consecutive panels.
+   Up to two tiles of rows read the int8 panels directly; more rows share a float copy of each
+   panel, made once. With glu (one output), W holds SwiGLU's gate and up weights stacked (2 N0 rows,
+   N0 a multiple of NB) and y0 = silu(x @ Wg.T) * (x @ Wu.T): up to 4 rows directly, more through
+   chapter 7's wide_tile. */
+void linear_int8(const float *x, const int8_t *q, const float *s, const float *b, float *y0,
+                 int64_t N0, float *y1, int64_t N1, float *y2, int64_t N2, int64_t M, int64_t K,
+                 int64_t gs, int glu, int num_threads) {
     if (M <= 0) return;
     float *const ys[3] = {y0, y1, y2};
-    const int64_t ns[3] = {N0, N1, N2}, ps[3] = {(N0 + NB - 1) / NB, (N1 + NB - 1) / NB, (N2 + NB - 1) / NB};
+    const int64_t ns[3] = {N0, N1, N2},
+                  ps[3] = {(N0 + NB - 1) / NB, (N1 + NB - 1) / NB, (N2 + NB - 1) / NB};
     const int64_t P = ps[0] + ps[1] + ps[2], ng = K / gs, direct = glu ? M <= 4 : M <= 2 * MR;
     const int64_t G = glu ? (direct ? 1 : (M + GR - 1) / GR) : (M + MR - 1) / MR;
-    const int64_t side = glu || !direct || M > 2 ? 1 : 4 / M, T = num_threads < P ? num_threads : P;   /* output panels a tile takes */
-    const int64_t qs = glu ? P * K * NB : K * NB, ss = glu ? P * ng * NB : ng * NB;      /* to the next panel a tile reads */
+    const int64_t side = glu || !direct || M > 2 ? 1 : 4 / M,
+                  T = num_threads < P ? num_threads : P; /* output panels a tile takes */
+    const int64_t qs = glu ? P * K * NB : K * NB,
+                  ss = glu ? P * ng * NB : ng * NB; /* to the next panel a tile reads */
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t t = 0; t < T; t++) {
         float *w = direct ? 0 : malloc((glu ? 2 : 1) * K * NB * sizeof(float)), bp[4 * NB];
         for (int64_t p = t * P / T, p1 = (t + 1) * P / T, n; p < p1; p += n) {
-            int o = 0; int64_t po = p;                           /* panel p is panel po of output o */
+            int o = 0;
+            int64_t po = p; /* panel p is panel po of output o */
             while (po >= ps[o]) po -= ps[o++];
             n = p1 - p < side ? p1 - p : side;
             if (n > ps[o] - po) n = ps[o] - po;
-            const int64_t N = ns[o], cols = N - po * NB < n * NB ? N - po * NB : n * NB, nc = cols - (n - 1) * NB;
-            memset(bp, 0, sizeof bp);                           /* these panels' biases, zero past N */
+            const int64_t N = ns[o], cols = N - po * NB < n * NB ? N - po * NB : n * NB,
+                          nc = cols - (n - 1) * NB;
+            memset(bp, 0, sizeof bp); /* these panels' biases, zero past N */
             if (b) memcpy(bp, b + p * NB, cols * sizeof(float));
-            if (!direct) for (int i = 0; i <= glu; i++) dequantize_panel(q + p * K * NB + i * qs, s + p * ng * NB + i * ss, K, gs, w + i * K * NB);
-            for (int64_t g = 0; g < G; g++) {                   /* balanced groups of rows, as in linear_packed */
+            if (!direct)
+                for (int i = 0; i <= glu; i++)
+                    dequantize_panel(q + p * K * NB + i * qs, s + p * ng * NB + i * ss, K, gs,
+                                     w + i * K * NB);
+            for (int64_t g = 0; g < G; g++) { /* balanced groups of rows, as in linear_packed */
                 const int64_t m0 = g * M / G, m1 = (g + 1) * M / G;
                 float *yo = ys[o] + m0 * N + po * NB;
-                if (direct) itiles[m1 - m0][glu ? 2 : n](x + m0 * K, K, q + p * K * NB, qs, s + p * ng * NB, ss, gs, bp, yo, N, nc, glu);
-                else if (glu) wide_tiles[m1 - m0](x + m0 * K, K, w, w + K * NB, NB, 0, 0, yo, N, nc, 0, 0, 0, 1, 0, 0);
-                else tiles[m1 - m0](x + m0 * K, K, w, bp, yo, N, nc, 0, 0);
+                if (direct)
+                    itiles[m1 - m0][glu ? 2 : n](x + m0 * K, K, q + p * K * NB, qs, s + p * ng * NB,
+                                                 ss, gs, bp, yo, N, nc, glu);
+                else if (glu)
+                    wide_tiles[m1 - m0](x + m0 * K, K, w, w + K * NB, NB, 0, 0, yo, N, nc, 0, 0, 0,
+                                        1, 0, 0);
+                else
+                    tiles[m1 - m0](x + m0 * K, K, w, bp, yo, N, nc, 0, 0);
             }
         }
         free(w);
@@ -246,67 +308,112 @@ void linear_int8(const float *x, const int8_t *q, const float *s, const float *b
 }
 """
 
+
 @functools.cache
 def int8_kernels() -> KernelLibrary | None:
-    "The compiled `linear_int8`, or None where it cannot be built; $MINI_INFER_NO_KERNELS=1 turns it off."
+    """The compiled `linear_int8`, or None where it cannot be built; $MINI_INFER_NO_KERNELS=1
+    turns it off."""
     P, S = ctypes.c_void_p, ctypes.c_int64
-    return load_library(INT8_KERNELS_C, "int8_kernels", {"linear_int8": ([P] * 4 + [P, S] * 3 + [S] * 3 + [ctypes.c_int] * 2, None)})
+    return load_library(
+        SIMD_C + TILES_C + WIDEN_C + INT8_KERNELS_C,
+        "int8_kernels",
+        {"linear_int8": ([P] * 4 + [P, S] * 3 + [S] * 3 + [ctypes.c_int] * 2, None)},
+    )
 
-def int8_kernel_applies(x: torch.Tensor, layer: Int8Linear) -> bool:
-    "CPU float32 activations, and a layer the kernel takes (the kernel built, the weight on the CPU, a float32 bias if any)."
-    return x.dtype == torch.float32 and x.device.type == "cpu" and layer.kernel_ok and layer.qweight.device.type == "cpu"
 
-def linear_int8(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
-    "`layer(x)` by the C kernel, for CPU float32 `x` [..., in_features] (where `int8_kernel_applies`)."
-    if not int8_kernel_applies(x, layer): raise ValueError("linear_int8 needs CPU float32 x, the int8 kernel built, and the layer's weight on the CPU")
+def int8_kernel_applies(x: torch.Tensor, layer: LinearBase) -> bool:
+    """CPU float32 activations, the kernel built, the int8 weight on the CPU and a float32 bias
+    if any."""
+    bias_ok = layer.bias is None or layer.bias.dtype == torch.float32
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and layer.weight.device.type == "cpu"
+        and bias_ok
+        and int8_kernels() is not None
+    )
+
+
+def linear_int8(x: torch.Tensor, layer: LinearBase) -> torch.Tensor:
+    "`layer(x)` by the C kernel, for an int8 layer and CPU float32 `x` [..., in_features]."
+    if not (isinstance(layer.method, Int8Method) and int8_kernel_applies(x, layer)):
+        raise ValueError(
+            "linear_int8 needs an int8 layer, CPU float32 x, and the int8 kernel built"
+        )
     return _linear_int8(x, layer)[0]
 
-def linear_glu_int8(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
-    """`F.silu(g) * u` with `g, u = layer(x).chunk(2, -1)`, by the C kernel in one pass, for a layer holding SwiGLU's gate
-    and up weights stacked (no bias, each half whole panels) and CPU float32 `x`."""
-    if not int8_kernel_applies(x, layer) or layer.bias is not None or layer.out_features // 2 % layer.qweight.shape[-1]:
-        raise ValueError("linear_glu_int8 needs CPU float32 x, the int8 kernel built, and a stacked gate/up layer without bias, each half whole panels")
-    return _linear_int8(x, layer, glu=True)[0]
 
 def _linear_int8(x, layer, glu=False, sizes=None):
-    "One kernel call: `layer(x)`, or SwiGLU of its halves with `glu`, or the outputs of the weights of `sizes` stacked in `layer`."
-    x, q, s, b = x.contiguous(), layer.qweight, layer.scale, layer.bias   # module attributes are slow: each read once
+    """One kernel call: `layer(x)`, SwiGLU of its halves with `glu`, or the outputs of the
+    stacked weights of `sizes`."""
+    # module attributes are slow: each read once
+    x, q, s, b = (x.contiguous(), layer.weight, layer.scale, layer.bias)
     sizes = sizes or [layer.out_features // 2 if glu else layer.out_features]
     ys = [x.new_empty(*x.shape[:-1], n) for n in sizes]
     outs = [a for y, n in zip(ys, sizes) for a in (y.data_ptr(), n)] + [None, 0] * (3 - len(sizes))
-    int8_kernels().linear_int8(x.data_ptr(), q.data_ptr(), s.data_ptr(), b.data_ptr() if b is not None else None, *outs,
-                               x.numel() // layer.in_features, layer.in_features, layer.group_size, glu, torch.get_num_threads())
+    int8_kernels().linear_int8(
+        x.data_ptr(),
+        q.data_ptr(),
+        s.data_ptr(),
+        b.data_ptr() if b is not None else None,
+        *outs,
+        x.numel() // layer.in_features,
+        layer.in_features,
+        layer.group_size,
+        glu,
+        torch.get_num_threads(),
+    )
     return ys
 
 # %% ../nbs/08_quantization.ipynb #8cd9fe75
 def quantize_kv(x: torch.Tensor) -> torch.Tensor:
-    "K or V [..., D] -> int8 [..., D + 4]: symmetric int8 per vector, its float32 scale in the last 4 bytes."
+    """K or V [..., D] -> int8 [..., D + 4]: symmetric int8 per vector, its float32 scale in the
+    last 4 bytes."""
     scale = x.detach().float().abs().amax(-1, keepdim=True) / 127
-    q = (x.float() / scale.clamp(min=torch.finfo(torch.float32).tiny)).round().clamp(-127, 127).to(torch.int8)
+    q = (
+        (x.float() / scale.clamp(min=torch.finfo(torch.float32).tiny))
+        .round()
+        .clamp(-127, 127)
+        .to(torch.int8)
+    )
     return torch.cat([q, scale.view(torch.int8)], -1)
+
 
 def dequantize_kv(p: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     "int8 [..., D + 4] from `quantize_kv` -> [..., D] in `dtype`."
     return (p[..., :-4].float() * p[..., -4:].contiguous().view(torch.float32)).to(dtype)
 
+
 class Int8KVAttention(AttentionBackend):
-    """Paged attention over an int8 pool (a scale per token and head): decode steps on a CPU by the C kernel below, over
-    the pool in place; other steps by dequantizing the step's blocks for `inner`."""
+    """Paged attention over an int8 pool (a scale per token and head): decode steps on a CPU by
+    the C kernel below, over the pool in place; other steps by dequantizing the step's blocks for
+    `inner`."""
+
     note = "int8 K/V + a float32 scale per token and head"
-    def __init__(self, inner: AttentionBackend | None = None): self.inner, self.kernel = inner or TorchAttention(), False
+
+    def __init__(self, inner: AttentionBackend | None = None):
+        self.inner, self.kernel = inner or TorchAttention(), False
 
     def allocate(self, shape, dtype, device) -> torch.Tensor:
-        "The int8 pool; and whether the C kernel serves it (chapter 7's kernels inside, float32 activations, a CPU)."
-        self.kernel = isinstance(self.inner, CPUAttention) and dtype == torch.float32 and torch.device(device or "cpu").type == "cpu" \
+        """The int8 pool; and whether the C kernel serves it (chapter 7's kernels inside, float32
+        activations, a CPU)."""
+        self.kernel = (
+            isinstance(self.inner, CPUAttention)
+            and dtype == torch.float32
+            and torch.device(device or "cpu").type == "cpu"
             and int8_attention_kernels() is not None
+        )
         return torch.zeros(*shape[:-1], shape[-1] + 4, dtype=torch.int8, device=device)
 
-    def token_bytes(self, cfg, dtype) -> int: return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.head_dim + 4)
+    def token_bytes(self, cfg, dtype) -> int:
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.head_dim + 4)
 
     def plan(self, step: StepInputs, block_size: int):
-        """For the C kernel, chapter 7's plan of a step without prompt chunks. Else the blocks this step reads, where its
-        new tokens land in their dequantized copy, and the step as `inner` sees it: block tables renumbered into that copy."""
-        if self.kernel and max(step.query_lens) <= SHORT_ROW: return self.inner.plan(step, block_size)   # no prompt chunk
+        """For the C kernel, chapter 7's plan of a step without prompt chunks. Else the blocks
+        this step reads, where its new tokens land in their dequantized copy, and the step as
+        `inner` sees it: block tables renumbered into that copy."""
+        if self.kernel and max(step.query_lens) <= SHORT_ROW:
+            return self.inner.plan(step, block_size)  # no prompt chunk
         used, local = step.block_tables.unique(return_inverse=True)
         B = block_size
         slots = torch.searchsorted(used, step.slot_mapping // B) * B + step.slot_mapping % B
@@ -317,59 +424,123 @@ class Int8KVAttention(AttentionBackend):
     def store(self, k_pool, v_pool, k, v, step: StepInputs):
         if self.kernel and k.dtype == v.dtype == torch.float32:
             k, v = k.contiguous(), v.contiguous()
-            return int8_attention_kernels().store_kv_int8(k.data_ptr(), v.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), step.slot_mapping.data_ptr(), *k.shape)
-        kq, vq = quantize_kv(torch.stack([k, v]))        # one pass over both
+            return int8_attention_kernels().store_kv_int8(
+                k.data_ptr(),
+                v.data_ptr(),
+                k_pool.data_ptr(),
+                v_pool.data_ptr(),
+                step.slot_mapping.data_ptr(),
+                *k.shape,
+            )
+        kq, vq = quantize_kv(torch.stack([k, v]))  # one pass over both
         k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, step.slot_mapping, kq)
         v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, step.slot_mapping, vq)
 
     def attend(self, q, k_pool, v_pool, k, v, step: StepInputs) -> torch.Tensor:
-        "Attention as `inner` computes it over the step's blocks dequantized; the new K/V, too, as stored (quantized)."
-        if isinstance(p := step.attn, KernelPlan): return paged_decode_int8(q, k_pool, v_pool, torch.empty_like(q), p.decode_tok, p.decode_tables, p.decode_lens)
+        """Attention as `inner` computes it over the step's blocks dequantized; the new K/V, too,
+        as stored (quantized)."""
+        if isinstance(p := step.attn, KernelPlan):
+            return paged_decode_int8(
+                q, k_pool, v_pool, torch.empty_like(q), p.decode_tok, p.decode_tables, p.decode_lens
+            )
         used, slots, inner = step.attn
         kd, vd = (dequantize_kv(p.index_select(0, used), q.dtype) for p in (k_pool, v_pool))
         return self.inner.attend(q, kd, vd, kd.flatten(0, 1)[slots], vd.flatten(0, 1)[slots], inner)
 
 # %% ../nbs/08_quantization.ipynb #e7196d39
-INT8_ATTENTION_C = PAGED_DECODE_C + WIDEN_C + r"""
+INT8_ATTENTION_C = r"""
 #include <float.h>
-/* int8 rows (quantize_kv's): D values, then their float32 scale in 4 bytes; a value is float(q) * scale. */
+/* int8 rows (quantize_kv's): D values, then their float32 scale in 4 bytes; a value is float(q) *
+ * scale. */
 #define INT8_ROW(D) ((D) + 4)
-static inline float int8_row_scale(const int8_t *row, int64_t D) { float s; memcpy(&s, row + D, sizeof s); return s; }
+static inline float int8_row_scale(const int8_t *row, int64_t D) {
+    float s;
+    memcpy(&s, row + D, sizeof s);
+    return s;
+}
 static inline float int8_load(const int8_t *p, float s) { return (float)*p * s; }
 static inline vf int8_vload(const int8_t *p, float s) { return widen(p) * s; }
-PAGED_DECODE(paged_decode_int8, float, f32_load, f32_store, int8_t, INT8_ROW, int8_row_scale, int8_load, int8_vload)
+PAGED_DECODE(paged_decode_int8, float, f32_load, f32_store, int8_t, INT8_ROW, int8_row_scale,
+             int8_load, int8_vload)
 
-/* K and V [T, H, D] quantized into their slots of the int8 pools [slots, H, D + 4], as quantize_kv does it. */
-void store_kv_int8(const float *k, const float *v, int8_t *k_pool, int8_t *v_pool, const int64_t *slots, int64_t T, int64_t H, int64_t D) {
-    for (int64_t t = 0; t < T; t++) for (int kv = 0; kv < 2; kv++) for (int64_t h = 0; h < H; h++) {
-        const float *x = (kv ? v : k) + (t * H + h) * D;
-        int8_t *row = (kv ? v_pool : k_pool) + (slots[t] * H + h) * (D + 4);
-        float m = 0.f;
-        for (int64_t d = 0; d < D; d++) m = fabsf(x[d]) > m ? fabsf(x[d]) : m;
-        const float s = m / 127.f, div = s > FLT_MIN ? s : FLT_MIN;
-        for (int64_t d = 0; d < D; d++) { const float r = nearbyintf(x[d] / div); row[d] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r); }
-        memcpy(row + D, &s, sizeof s);
-    }
+/* K and V [T, H, D] quantized into their slots of the int8 pools [slots, H, D + 4], as quantize_kv
+ * does it. */
+void store_kv_int8(const float *k, const float *v, int8_t *k_pool, int8_t *v_pool,
+                   const int64_t *slots, int64_t T, int64_t H, int64_t D) {
+    for (int64_t t = 0; t < T; t++)
+        for (int kv = 0; kv < 2; kv++)
+            for (int64_t h = 0; h < H; h++) {
+                const float *x = (kv ? v : k) + (t * H + h) * D;
+                int8_t *row = (kv ? v_pool : k_pool) + (slots[t] * H + h) * (D + 4);
+                float m = 0.f;
+                for (int64_t d = 0; d < D; d++) m = fabsf(x[d]) > m ? fabsf(x[d]) : m;
+                const float s = m / 127.f, div = s > FLT_MIN ? s : FLT_MIN;
+                for (int64_t d = 0; d < D; d++) {
+                    const float r = nearbyintf(x[d] / div);
+                    row[d] = (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+                }
+                memcpy(row + D, &s, sizeof s);
+            }
 }
 """
 
+
 @functools.cache
 def int8_attention_kernels() -> KernelLibrary | None:
-    "The compiled `paged_decode_int8` and `store_kv_int8`, or None where they cannot be built; $MINI_INFER_NO_KERNELS=1 turns them off."
+    """The compiled `paged_decode_int8` and `store_kv_int8`, or None where they cannot be built;
+    $MINI_INFER_NO_KERNELS=1 turns them off."""
     P, S = ctypes.c_void_p, ctypes.c_int64
-    return load_library(INT8_ATTENTION_C, "int8_attention",
-                        {"paged_decode_int8": ([P] * 6 + [S, P] + [S] * 5 + [ctypes.c_float, ctypes.c_int], None), "store_kv_int8": ([P] * 5 + [S] * 3, None)})
+    return load_library(
+        SIMD_C + PAGED_DECODE_C + WIDEN_C + INT8_ATTENTION_C,
+        "int8_attention",
+        {
+            "paged_decode_int8": (
+                [P] * 6 + [S, P] + [S] * 5 + [ctypes.c_float, ctypes.c_int],
+                None,
+            ),
+            "store_kv_int8": ([P] * 5 + [S] * 3, None),
+        },
+    )
+
 
 def paged_decode_int8(q, k_pool, v_pool, out, tok, block_tables, context_lens):
-    """Chapter 7's `paged_decode_kernel` for float32 `q` [T, Hq, D] and `out` over int8 pools [blocks, B, Hkv, D + 4]
-    (`quantize_kv` rows): the same results as over the dequantized pools."""
+    """Chapter 7's `paged_decode_kernel` for float32 `q` [T, Hq, D] and `out` over int8 pools
+    [blocks, B, Hkv, D + 4] (`quantize_kv` rows): the same results as over the dequantized pools."""
     lib = int8_attention_kernels()
     (_, Hq, D), (_, B, Hkv, row) = q.shape, k_pool.shape
     ts, ids = (q, k_pool, v_pool, out), (tok, block_tables, context_lens)
-    if lib is None or not all(t.is_contiguous() and t.device.type == "cpu" for t in ts + ids) or q.dtype != torch.float32 or out.dtype != torch.float32 \
-            or k_pool.dtype != torch.int8 or v_pool.dtype != torch.int8 or row != D + 4 or k_pool.shape != v_pool.shape or Hq % Hkv \
-            or q.shape != out.shape or any(t.dtype != torch.int64 for t in ids):
-        raise ValueError("paged_decode_int8 needs the kernel built, contiguous CPU tensors: float32 q and out [T, Hq, D], int8 pools [blocks, B, Hkv, D + 4], int64 indices")
-    lib.paged_decode_int8(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), tok.data_ptr(), block_tables.data_ptr(),
-                          block_tables.shape[1], context_lens.data_ptr(), len(tok), Hq, Hkv, D, B, D ** -0.5, torch.get_num_threads())
+    if (
+        lib is None
+        or not all(t.is_contiguous() and t.device.type == "cpu" for t in ts + ids)
+        or q.dtype != torch.float32
+        or out.dtype != torch.float32
+        or k_pool.dtype != torch.int8
+        or v_pool.dtype != torch.int8
+        or row != D + 4
+        or k_pool.shape != v_pool.shape
+        or Hq % Hkv
+        or q.shape != out.shape
+        or any(t.dtype != torch.int64 for t in ids)
+    ):
+        raise ValueError(
+            "paged_decode_int8 needs the kernel built, contiguous CPU tensors: float32 q and out "
+            "[T, Hq, D], int8 pools [blocks, B, Hkv, D + 4], int64 indices"
+        )
+    lib.paged_decode_int8(
+        q.data_ptr(),
+        k_pool.data_ptr(),
+        v_pool.data_ptr(),
+        out.data_ptr(),
+        tok.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        context_lens.data_ptr(),
+        len(tok),
+        Hq,
+        Hkv,
+        D,
+        B,
+        D**-0.5,
+        torch.get_num_threads(),
+    )
     return out

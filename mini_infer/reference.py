@@ -5,31 +5,60 @@ __all__ = ['generate', 'generate_one']
 
 # %% ../nbs/01_model.ipynb #bb44b1ce
 import torch
-from .model import CausalLM, ContiguousKVCache
+from .model import CausalLM, ContiguousKVCache, ContiguousStep
 from .tokenizer import Tokenizer
-from .sampling import SamplingParams, Sampler, InvalidRequest
+from .sampling import SamplingParams, SamplingBatch, Sampler, TokenHistory, InvalidRequest
 from .outputs import Request, RequestOutput, as_prompt_list, as_params_list, encode_prompt
 
 # %% ../nbs/01_model.ipynb #3d5aeab2
 @torch.inference_mode()
-def generate(model: CausalLM, tokenizer: Tokenizer, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-    "Generate a completion for each prompt (text or token ids), one request at a time: the reference of every faster path."
+def generate(
+    model: CausalLM,
+    tokenizer: Tokenizer,
+    prompts,
+    params: SamplingParams | list[SamplingParams] | None = None,
+) -> list[RequestOutput]:
+    """Generate a completion for each prompt (text or token ids), one request at a time: the
+    reference of every faster path."""
     prompts = as_prompt_list(prompts)
     pairs = zip(prompts, as_params_list(params, len(prompts)))
-    return [generate_one(model, tokenizer, str(i), encode_prompt(tokenizer, p), sp).output() for i, (p, sp) in enumerate(pairs)]
+    return [
+        generate_one(model, tokenizer, str(i), encode_prompt(tokenizer, p), sp).output()
+        for i, (p, sp) in enumerate(pairs)
+    ]
 
-def generate_one(model: CausalLM, tokenizer: Tokenizer, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
-    "Prefill the prompt into a contiguous cache, then decode one token per forward until the request ends."
+
+def generate_one(
+    model: CausalLM,
+    tokenizer: Tokenizer,
+    request_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+) -> Request:
+    """Prefill the prompt into a contiguous cache, then decode one token per forward until the
+    request ends."""
     max_len, dev = model.config.max_position_embeddings, model.device
     if len(prompt_ids) >= max_len:
-        raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens; the context holds {max_len}", param="prompt", code="context_length_exceeded")
-    req, sampler = Request(request_id, prompt_ids, params, tokenizer, max_len, dev), Sampler()
-    cache = ContiguousKVCache(model.config, min(max_len, len(prompt_ids) + params.max_tokens), dev, model.dtype)
+        raise InvalidRequest(
+            f"the prompt has {len(prompt_ids)} tokens; the context holds {max_len}",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    req, sampler = Request(request_id, prompt_ids, params, tokenizer, max_len), Sampler()
+    generator = None if params.seed is None else torch.Generator(dev).manual_seed(params.seed)
+    history = (
+        TokenHistory(prompt_ids, model.config.vocab_size, dev) if params.has_penalties else None
+    )
+    cache = ContiguousKVCache(
+        model.config, min(max_len, len(prompt_ids) + params.max_tokens), dev, model.dtype
+    )
     ids, pos = torch.tensor(prompt_ids, device=dev), 0
     while req.finish_reason is None:
-        logits = model(ids, torch.arange(pos, pos + len(ids), device=dev), cache, pos, logits_indices=torch.tensor([len(ids) - 1], device=dev))
+        logits = model(ContiguousStep.tokens(ids, pos), cache)
         pos += len(ids)
-        tokens, lps = sampler.sample(logits, [params], [req.generator], [(prompt_ids, req.output_ids)])
+        tokens, lps = sampler.sample(logits, SamplingBatch([params], [generator], [history], dev))
         req.append(int(tokens[0]), lps[0])
+        if history is not None:
+            history.add([int(tokens[0])])
         ids = tokens
     return req

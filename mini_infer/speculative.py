@@ -6,7 +6,8 @@ Docs: https://mini-infer.github.io/mini-infer/speculative.html.md"""
 
 # %% auto #0
 __all__ = ['VERIFY_TOKEN_COST', 'METHODS', 'expected_tokens', 'plan_guesses', 'accept_probs', 'residual', 'rejection_sample',
-           'greedy_verify', 'NgramProposer', 'DraftModelProposer', 'SpeculativeConfig', 'load_draft', 'Speculator']
+           'greedy_verify', 'NgramProposer', 'draft_seed', 'DraftModelProposer', 'SpeculativeConfig', 'load_draft',
+           'SpeculativeProposer', 'VerifyingSampler', 'speculative_decoding']
 
 # %% ../nbs/05_speculative.ipynb #64095ae4
 import json
@@ -14,106 +15,184 @@ from collections import Counter
 from dataclasses import dataclass, fields
 
 # %% ../nbs/05_speculative.ipynb #3b178a71
+import copy
 import numpy as np
 import torch
+import torch.nn.functional as F
 from .model import CausalLM
 from .tokenizer import Tokenizer
-from .sampling import Sampler, apply_penalties, exponential_race
+from .sampling import Sampler, SamplingBatch, apply_penalties, exponential_race
 from .block_manager import BlockAllocator, BlockTable
 from .kv_cache import PagedKVCache
-from .scheduler import Sequence
+from .scheduler import Sequence, ScheduledRequest
+from .runner import NextTokenSampler
+from .memory_plan import weights_bytes
 
 # %% ../nbs/05_speculative.ipynb #f0354488
-VERIFY_TOKEN_COST = 0.08  # one more token in a forward, relative to a one-token step (this chapter measures 0.04-0.1 on a CPU)
+# one more token in a forward, relative to a one-token step (this chapter measures 0.04-0.1 on a
+# CPU)
+VERIFY_TOKEN_COST = 0.08
+
 
 def expected_tokens(alpha: float, k: int) -> float:
-    "Tokens one verify step yields when each of k guesses is right with probability alpha: 1 + alpha + ... + alpha^k."
-    return sum(alpha ** i for i in range(k + 1))
+    """Tokens one verify step yields when each of k guesses is right with probability alpha: 1 +
+    alpha + ... + alpha^k."""
+    return sum(alpha**i for i in range(k + 1))
 
-def plan_guesses(alphas: list[float], caps: list[int], token_cost: float, max_tokens: int | None = None) -> list[int]:
-    """How many guesses each sequence of a step gets. Guess j of a sequence right with probability alpha yields alpha^j tokens
-    on average; a step over n tokens costs 1 + token_cost * (n - 1). Guesses are added, the likeliest first, while each
-    raises the step's expected tokens per unit of time (at most `caps[i]` for sequence i), and the step has at most
-    `max_tokens` tokens (where bigger steps cost more than the line says: chapter 7 replays steps up to a size)."""
-    gains = sorted(((a ** j, i) for i, (a, cap) in enumerate(zip(alphas, caps)) for j in range(1, cap + 1)), key=lambda g: -g[0])
-    ks, tokens, time, n = [0] * len(alphas), float(len(alphas)), 1 + token_cost * (len(alphas) - 1), len(alphas)
+
+def plan_guesses(
+    alphas: list[float], caps: list[int], token_cost: float, max_tokens: int | None = None
+) -> list[int]:
+    """How many guesses each sequence of a step gets. Guess j of a sequence right with
+    probability alpha yields alpha^j tokens on average; a step over n tokens costs 1 + token_cost
+    * (n - 1). Guesses are added, the likeliest first, while each raises the step's expected
+    tokens per unit of time (at most `caps[i]` for sequence i), and the step has at most
+    `max_tokens` tokens (where bigger steps cost more than the line says: chapter 7 replays steps
+    up to a size)."""
+    gains = sorted(
+        ((a**j, i) for i, (a, cap) in enumerate(zip(alphas, caps)) for j in range(1, cap + 1)),
+        key=lambda g: -g[0],
+    )
+    ks, tokens, time, n = (
+        [0] * len(alphas),
+        float(len(alphas)),
+        1 + token_cost * (len(alphas) - 1),
+        len(alphas),
+    )
     for gain, i in gains:
-        if gain * time <= token_cost * tokens or (max_tokens is not None and n >= max_tokens): break   # no better, or no room
+        if gain * time <= token_cost * tokens or (max_tokens is not None and n >= max_tokens):
+            break  # no better, or no room
         ks[i], tokens, time, n = ks[i] + 1, tokens + gain, time + token_cost, n + 1
     return ks
 
 # %% ../nbs/05_speculative.ipynb #98561183
 def accept_probs(p: torch.Tensor, x: torch.Tensor, q: torch.Tensor | None = None) -> torch.Tensor:
-    "The probability of keeping each guess x: min(1, p(x) / q(x)), and p(x) for a deterministic guess (q one-hot at x)."
+    """The probability of keeping each guess x: min(1, p(x) / q(x)), and p(x) for a deterministic
+    guess (q one-hot at x)."""
     px = p.gather(-1, x.unsqueeze(-1)).squeeze(-1)
     return px if q is None else (px / q.gather(-1, x.unsqueeze(-1)).squeeze(-1)).clamp(max=1)
 
+
 def residual(p: torch.Tensor, x: torch.Tensor, q: torch.Tensor | None = None) -> torch.Tensor:
-    "Where a rejected guess x sends the draw: norm(max(0, p - q)), and p without x for a deterministic guess."
+    """Where a rejected guess x sends the draw: norm(max(0, p - q)), and p without x for a
+    deterministic guess."""
     r = p.scatter(-1, x.unsqueeze(-1), 0.0) if q is None else (p - q).clamp(min=0)
     total = r.sum(-1, keepdim=True)
-    return torch.where(total > 0, r / total.clamp(min=torch.finfo(r.dtype).tiny), p)   # rounding can empty it where p = q: then p
+    # rounding can empty it where p = q: then p
+    return torch.where(total > 0, r / total.clamp(min=torch.finfo(r.dtype).tiny), p)
 
-def rejection_sample(p: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor, q: torch.Tensor | None = None,
-                     generators: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify guessed tokens. `p` [B, K+1, V]: the target's distribution at each verified position; `draft` [B, K]: the guesses;
-    `num_draft` [B]: how many of row b's K guesses are real; `q` [B, K, V]: the distributions the guesses were drawn from, or
-    None for deterministic guesses. Returns (accepted [B], next [B]): row b emits draft[b, :accepted[b]], then next[b]."""
+
+def rejection_sample(
+    p: torch.Tensor,
+    draft: torch.Tensor,
+    num_draft: torch.Tensor,
+    q: torch.Tensor | None = None,
+    generators: list | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify guessed tokens. `p` [B, K+1, V]: the target's distribution at each verified
+    position; `draft` [B, K]: the guesses; `num_draft` [B]: how many of row b's K guesses are
+    real; `q` [B, K, V]: the distributions the guesses were drawn from, or None for deterministic
+    guesses. Returns (accepted [B], next [B]): row b emits draft[b, :accepted[b]], then next[b]."""
     B, K = draft.shape
     gens = generators or [None] * B
-    x = draft.clamp(min=0)                                                  # padding (-1) reads token 0, then is masked
-    u = torch.rand(B, K, device=p.device)                                  # seeded rows draw only their own guesses' uniforms
+    x = draft.clamp(min=0)  # padding (-1) reads token 0, then is masked
+    u = torch.rand(B, K, device=p.device)  # seeded rows draw only their own guesses' uniforms
     for b, g in enumerate(gens):
-        if g is not None: u[b, :int(num_draft[b])] = torch.rand(int(num_draft[b]), generator=g, device=g.device)
-    ok = (u < accept_probs(p[:, :K], x, q)) & (torch.arange(K, device=p.device) < num_draft.unsqueeze(-1))
-    accepted = ok.long().cumprod(-1).sum(-1)                               # the leading run of kept guesses
+        if g is not None:
+            u[b, : int(num_draft[b])] = torch.rand(int(num_draft[b]), generator=g, device=g.device)
+    ok = (u < accept_probs(p[:, :K], x, q)) & (
+        torch.arange(K, device=p.device) < num_draft.unsqueeze(-1)
+    )
+    accepted = ok.long().cumprod(-1).sum(-1)  # the leading run of kept guesses
     rows = torch.arange(B, device=p.device)
-    pa = p[rows, accepted]                                                 # the target's distribution where we stopped
-    if K:                                                                  # a rejected guess: draw from the residual
+    pa = p[rows, accepted]  # the target's distribution where we stopped
+    if K:  # a rejected guess: draw from the residual
         j = accepted.clamp(max=K - 1)
-        pa = torch.where((accepted < num_draft).unsqueeze(-1), residual(pa, x[rows, j], None if q is None else q[rows, j]), pa)
-    return accepted, exponential_race(pa, gens)                            # every guess kept: a bonus token from p
+        pa = torch.where(
+            (accepted < num_draft).unsqueeze(-1),
+            residual(pa, x[rows, j], None if q is None else q[rows, j]),
+            pa,
+        )
+    return accepted, exponential_race(pa, gens)  # every guess kept: a bonus token from p
 
-def greedy_verify(logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy rows, the case p = one-hot at the argmax: keep the guesses equal to the argmax up to the first that is not,
-    then take the argmax there. `logits` [B, K+1, V]; returns (accepted [B], next [B]) as `rejection_sample` does."""
+
+def greedy_verify(
+    logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy rows, the case p = one-hot at the argmax: keep the guesses equal to the argmax up
+    to the first that is not, then take the argmax there. `logits` [B, K+1, V]; returns (accepted
+    [B], next [B]) as `rejection_sample` does."""
     B, K = draft.shape
-    top = logits.max(-1).indices                                           # max's indices are argmax's, and faster on CPU
+    top = logits.max(-1).indices  # max's indices are argmax's, and faster on CPU
     ok = (draft == top[:, :K]) & (torch.arange(K, device=draft.device) < num_draft.unsqueeze(-1))
     accepted = ok.long().cumprod(-1).sum(-1)
     return accepted, top[torch.arange(B, device=draft.device), accepted]
 
 # %% ../nbs/05_speculative.ipynb #0fea74a8
 class NgramProposer:
-    "Prompt lookup: find the sequence's last n tokens earlier in its prompt and output (n from max down to min); guess what followed."
-    def __init__(self, n_max: int = 4, n_min: int = 2): self.n_max, self.n_min = n_max, n_min
+    """Prompt lookup: find the sequence's last n tokens earlier in its prompt and output (n from
+    max down to min); guess what followed."""
+
+    def __init__(self, n_max: int = 4, n_min: int = 2):
+        self.n_max, self.n_min = n_max, n_min
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
-        "Up to `k` tokens that followed the latest earlier occurrence of the longest matching suffix; [] without one."
+        """Up to `k` tokens that followed the latest earlier occurrence of the longest matching
+        suffix; [] without one."""
         t = np.asarray(tokens)
         for n in range(min(self.n_max, len(t) - 1), self.n_min - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(t[:-1], n)     # every earlier n-gram, ending before the last token
+            windows = np.lib.stride_tricks.sliding_window_view(t[:-1], n)  # every earlier n-gram
             hits = np.flatnonzero((windows == t[-n:]).all(-1))
-            if len(hits): return t[hits[-1] + n: hits[-1] + n + k].tolist()
+            if len(hits):
+                return t[hits[-1] + n : hits[-1] + n + k].tolist()
         return []
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[tuple[list[int], None]]:
         return [(self.lookup(s.prompt_ids + s.output_ids, k), None) for s, k in zip(seqs, ks)]
 
-    def free(self, seq: Sequence): pass
+    def free(self, seq: Sequence):
+        pass
 
 # %% ../nbs/05_speculative.ipynb #9d6a1df6
+def draft_seed(seed: int) -> int:
+    """The seed of a request's draft draws: another stream than the target's, so that the two are
+    independent."""
+    return (seed * 6364136223846793005 + 1442695040888963407) % 2**63
+
+
 class DraftModelProposer:
-    "A smaller model with the same tokenizer guesses k tokens, one forward each; it keeps its own KV blocks for every sequence."
-    def __init__(self, model: CausalLM, attention, num_blocks: int, block_size: int):
-        self.model, self.sampler = model, Sampler()
-        self.cache = PagedKVCache(model.config, num_blocks, block_size, model.device, model.dtype, attention)
+    """A smaller model with the same tokenizer guesses k tokens, one forward each; it keeps KV
+    blocks of its own for every sequence, and a generator of its own for every seeded one."""
+
+    def __init__(self, model: CausalLM, run_step, attention, num_blocks: int, block_size: int):
+        self.model, self.run_step, self.sampler = model, run_step, Sampler()
+        self.cache = PagedKVCache(
+            model.config, num_blocks, block_size, model.device, model.dtype, attention
+        )
         self.allocator = BlockAllocator(num_blocks)
-        self.state: dict[Sequence, dict] = {}      # per sequence: its table, tokens computed, and the last guesses
+        self.state: dict[
+            Sequence, dict
+        ] = {}  # per sequence: its table, tokens computed, the last guesses
 
     def _sync(self, seq: Sequence) -> dict:
-        "The sequence's draft state, rolled back to the tokens that are still the sequence's (guesses the target rejected go)."
-        st = self.state.setdefault(seq, dict(table=BlockTable(self.cache.block_size), computed=0, base=0, guesses=[]))
+        """The sequence's draft state, rolled back to the tokens that are still the sequence's
+        (rejected guesses go)."""
+        seed = seq.params.seed
+        gen = (
+            None
+            if seed is None
+            else torch.Generator(self.model.device).manual_seed(draft_seed(seed))
+        )
+        st = self.state.setdefault(
+            seq,
+            dict(
+                table=BlockTable(self.cache.block_size),
+                computed=0,
+                base=0,
+                guesses=[],
+                generator=gen,
+            ),
+        )
         final = seq.token_slice(st["base"], min(len(st["guesses"]), seq.num_tokens - st["base"]))
         same = next((i for i, (a, b) in enumerate(zip(final, st["guesses"])) if a != b), len(final))
         st["computed"] = min(st["computed"], st["base"] + same, seq.num_tokens - 1)
@@ -121,214 +200,360 @@ class DraftModelProposer:
         return st
 
     def _forward(self, rows, params, gens):
-        "One draft forward over rows (tokens, start, table); the next token of each, and its q (None for greedy rows)."
-        step = self.cache.make_step([(t, s, tb, 1) for t, s, tb in rows])
-        logits = self.model(step.input_ids, step.positions, self.cache, step, step.logits_indices).float()
+        """One draft forward over rows (tokens, start, table); the next token of each, and its q
+        (None if greedy)."""
+        step = self.cache.make_step([(t, s, tb.blocks, 1) for t, s, tb in rows])
+        logits = self.run_step(step, self.cache).float()
         tokens, q = logits.max(-1).indices, [None] * len(rows)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
-            probs = self.sampler.probs(logits[sampled], [params[i] for i in sampled])
-            tokens[sampled] = exponential_race(probs, [gens[i] for i in sampled])
-            for j, i in enumerate(sampled): q[i] = probs[j]
+            batch = SamplingBatch(
+                [params[i] for i in sampled], [gens[i] for i in sampled], with_penalties=False
+            )
+            probs = self.sampler.probs(logits[sampled], batch)
+            tokens[sampled] = exponential_race(probs, batch.generators)
+            for j, i in enumerate(sampled):
+                q[i] = probs[j]
         return tokens.tolist(), q
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
-        live = []          # sequences with room in the draft's pool for the catch-up and k - 1 guesses (the k-th is never run)
+    def propose(
+        self, seqs: list[Sequence], ks: list[int]
+    ) -> list[tuple[list[int], torch.Tensor | None]]:
+        # sequences with room in the draft's pool for the catch-up and k - 1 guesses (the k-th never
+        # runs)
+        live = []
         for s, k in zip(seqs, ks):
-            if s.num_tokens + k - 1 > len(self.model.rotary.cos): continue    # past the draft's positions: no guesses
+            if s.num_tokens + k - 1 > len(self.model.rotary.cos):
+                continue  # past the draft's positions: no guesses
             st = self._sync(s)
-            if st["table"].append(s.num_tokens + k - 1 - st["table"].num_tokens, self.allocator): live.append((s, k, st))
-        live.sort(key=lambda e: e[0].num_tokens - e[2]["computed"] != 1)     # one-token rows first, as `make_step` wants
+            if st["table"].append(s.num_tokens + k - 1 - st["table"].num_tokens, self.allocator):
+                live.append((s, k, st))
+        # one-token rows first, as `make_step` wants
+        live.sort(key=lambda e: e[0].num_tokens - e[2]["computed"] != 1)
         guesses, qs = {s: [] for s in seqs}, {s: [] for s in seqs}
-        # the first forward runs every token the draft has not seen yet (at least the last); then one guess per forward
-        rows = [(s.token_slice(st["computed"], s.num_tokens - st["computed"]), st["computed"], st["table"]) for s, _, st in live]
+        # the first forward runs every token the draft has not seen yet (at least the last); then
+        # one guess each
+        rows = [
+            (
+                s.token_slice(st["computed"], s.num_tokens - st["computed"]),
+                st["computed"],
+                st["table"],
+            )
+            for s, _, st in live
+        ]
         while live:
-            toks, q = self._forward(rows, [s.params for s, _, _ in live], [s.generator for s, _, _ in live])
-            for (s, _, _), t, qq in zip(live, toks, q): guesses[s].append(t); qs[s].append(qq)
+            toks, q = self._forward(
+                rows, [s.params for s, _, _ in live], [st["generator"] for _, _, st in live]
+            )
+            for (s, _, _), t, qq in zip(live, toks, q):
+                guesses[s].append(t)
+                qs[s].append(qq)
             live = [(s, k, st) for s, k, st in live if len(guesses[s]) < k]
-            rows = [(guesses[s][-1:], s.num_tokens + len(guesses[s]) - 1, st["table"]) for s, _, st in live]
+            rows = [
+                (guesses[s][-1:], s.num_tokens + len(guesses[s]) - 1, st["table"])
+                for s, _, st in live
+            ]
         for s in seqs:
-            if guesses[s]: self.state[s].update(computed=s.num_tokens + len(guesses[s]) - 1, base=s.num_tokens, guesses=guesses[s])
-        return [(guesses[s], torch.stack(qs[s]) if qs[s] and qs[s][0] is not None else None) for s in seqs]
+            if guesses[s]:
+                self.state[s].update(
+                    computed=s.num_tokens + len(guesses[s]) - 1,
+                    base=s.num_tokens,
+                    guesses=guesses[s],
+                )
+        return [
+            (guesses[s], torch.stack(qs[s]) if qs[s] and qs[s][0] is not None else None)
+            for s in seqs
+        ]
 
     def free(self, seq: Sequence):
         "The sequence finished or was preempted: its draft blocks go back with the target's."
         st = self.state.pop(seq, None)
-        if st is not None: st["table"].free(self.allocator)
+        if st is not None:
+            st["table"].free(self.allocator)
 
 # %% ../nbs/05_speculative.ipynb #4449abc4
 METHODS = ("ngram", "draft_model")
 
+
 @dataclass
 class SpeculativeConfig:
     "What to guess with and how much (vLLM's names), and when not to guess."
-    method: str                                # "ngram" (prompt lookup) or "draft_model"
-    num_speculative_tokens: int = 4            # the most guesses per sequence and step, k
-    prompt_lookup_max: int = 4                 # ngram: the longest suffix to look up ...
-    prompt_lookup_min: int = 2                 # ... and the shortest
-    model: object = None                       # draft_model: a name for `load_model`, or a (CausalLM, Tokenizer) pair
-    quantization: str | None = None            # draft_model: its weights, e.g. "int8" (chapter 8) for a cheap self-draft
-    disable_by_batch_size: int | None = 8      # no guesses while more sequences than this decode (None: always guess)
-    adaptive: bool = True                      # pick each sequence's k from its running acceptance rate
-    draft_token_cost: float | None = None      # one more guess's cost, relative to a plain step (None: an estimate)
+
+    method: str  # "ngram" (prompt lookup) or "draft_model"
+    num_speculative_tokens: int = 4  # the most guesses per sequence and step, k
+    prompt_lookup_max: int = 4  # ngram: the longest suffix to look up ...
+    prompt_lookup_min: int = 2  # ... and the shortest
+    model: object = None  # draft_model: a name for `load_model`, or a (CausalLM, Tokenizer) pair
+    quantization: str | None = (
+        None  # draft_model: its weights, e.g. "int8" (chapter 8) for a cheap self-draft
+    )
+    disable_by_batch_size: int | None = (
+        8  # no guesses while more sequences than this decode (None: always guess)
+    )
+    adaptive: bool = True  # pick each sequence's k from its running acceptance rate
+    draft_token_cost: float | None = (
+        None  # one more guess's cost, relative to a plain step (None: an estimate)
+    )
 
     def __post_init__(self):
-        if self.method not in METHODS: raise ValueError(f"unknown speculative method {self.method!r}; choose from {', '.join(METHODS)}")
+        if self.method not in METHODS:
+            raise ValueError(
+                f"unknown speculative method {self.method!r}; choose from {', '.join(METHODS)}"
+            )
         k = self.num_speculative_tokens
-        if not (isinstance(k, int) and 1 <= k <= 16): raise ValueError(f"num_speculative_tokens must be an int in 1..16, got {k!r}")
+        if not (isinstance(k, int) and 1 <= k <= 16):
+            raise ValueError(f"num_speculative_tokens must be an int in 1..16, got {k!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and {self.prompt_lookup_max}")
-        if self.method == "draft_model" and self.model is None: raise ValueError("the draft_model method needs a 'model'")
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1: raise ValueError("disable_by_batch_size must be >= 1 or None")
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} "
+                "and "
+                f"{self.prompt_lookup_max}"
+            )
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("the draft_model method needs a 'model'")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be >= 1 or None")
 
     @classmethod
     def from_dict(cls, d: "dict | str | SpeculativeConfig") -> "SpeculativeConfig":
         "From a dict or its JSON text (`--speculative-config`); unknown keys are an error."
-        if isinstance(d, SpeculativeConfig): return d
-        if isinstance(d, str): d = json.loads(d)
+        if isinstance(d, SpeculativeConfig):
+            return d
+        if isinstance(d, str):
+            d = json.loads(d)
         unknown = set(d) - {f.name for f in fields(cls)}
-        if unknown: raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; known: {[f.name for f in fields(cls)]}")
-        if "method" not in d: raise ValueError("speculative_config needs a 'method' (ngram or draft_model)")
+        if unknown:
+            raise ValueError(
+                f"unknown speculative_config keys {sorted(unknown)}; known: "
+                f"{[f.name for f in fields(cls)]}"
+            )
+        if "method" not in d:
+            raise ValueError("speculative_config needs a 'method' (ngram or draft_model)")
         return cls(**d)
 
 # %% ../nbs/05_speculative.ipynb #459b8d90
 def load_draft(cfg: SpeculativeConfig, model: CausalLM, tokenizer: Tokenizer) -> CausalLM:
-    "The draft model of `cfg`, on the target's device and dtype, checked to share the target's vocabulary."
+    """The draft model of `cfg`, on the target's device and dtype, checked to share the target's
+    vocabulary. A draft that is the target quantized is a copy: the target keeps its weights."""
     from mini_infer.loader import load_model
-    m = cfg.model
-    draft, tok = (load_model(m, device=model.device, dtype=model.dtype) if isinstance(m, str) else
-                  m if isinstance(m, tuple) else (m, None))
-    if not isinstance(draft, CausalLM): raise ValueError(f"the draft 'model' must be a name or a (CausalLM, Tokenizer) pair, got {type(m).__name__}")
-    if draft.config.vocab_size != model.config.vocab_size:
-        raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) differs from the target's ({model.config.vocab_size})")
-    if tok is not None and tok.tok.get_vocab(with_added_tokens=True) != tokenizer.tok.get_vocab(with_added_tokens=True):
-        raise ValueError("the draft model's tokenizer differs from the target's: its guesses would be other tokens")
-    return draft
 
-class Speculator:
-    """Chapter 5 inside the engine: guesses before each step (`propose`), their verification after it (`verify`, which also
-    rolls back the rejected ones), the choice of k per sequence, and the counters."""
-    def __init__(self, config: "dict | str | SpeculativeConfig", engine):
-        from mini_infer.engine import QUANTIZATIONS, _import
-        from mini_infer.memory_plan import weights_bytes
-        self.config = cfg = SpeculativeConfig.from_dict(config)
-        self.allocator, self.sampler = engine.allocator, Sampler()      # (no reference to the engine: it holds us)
-        if cfg.method == "ngram":
-            self.proposer, draft_cost = NgramProposer(cfg.prompt_lookup_max, cfg.prompt_lookup_min), 0.0
-        else:
-            draft = load_draft(cfg, engine.model, engine.tokenizer)
-            if cfg.quantization: draft = _import(QUANTIZATIONS[cfg.quantization])(draft)
-            draft_cost = weights_bytes(draft) / engine.memory.weights_bytes       # decode reads the weights: time ~ bytes
-            self.proposer = DraftModelProposer(engine.backend.prepare(draft, engine.config.enforce_eager), engine.backend.attention(), engine.cache.num_blocks, engine.cache.block_size)
-        self.token_cost = cfg.draft_token_cost if cfg.draft_token_cost is not None else VERIFY_TOKEN_COST + draft_cost
-        self.replay_limits = getattr(engine.model.model, "replay_limits", None)   # (tokens, row tokens): steps replayed from C (chapter 7)
-        self.acceptance: dict[Sequence, list[float]] = {}     # per sequence: decayed counts of right and wrong guesses, steps since the last
+    m = cfg.model
+    if isinstance(m, str):
+        draft, tok = load_model(m, device=model.device, dtype=model.dtype)
+    else:
+        draft, tok = m if isinstance(m, tuple) else (m, None)
+    if not isinstance(draft, CausalLM):
+        raise ValueError(
+            "the draft 'model' must be a name or a (CausalLM, Tokenizer) pair, got "
+            f"{type(m).__name__}"
+        )
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary ({draft.config.vocab_size}) differs from the target's "
+            f"({model.config.vocab_size})"
+        )
+    vocab = lambda t: t.tok.get_vocab(with_added_tokens=True)
+    if tok is not None and vocab(tok) != vocab(tokenizer):
+        raise ValueError(
+            "the draft model's tokenizer differs from the target's: its guesses would be other "
+            "tokens"
+        )
+    return copy.deepcopy(draft) if draft is model and cfg.quantization else draft
+
+# %% ../nbs/05_speculative.ipynb #459b8d91
+class SpeculativeProposer:
+    """Chapter 5's side of the scheduler: before each step, guesses for the decoding sequences,
+    as many as pay (`propose`); after it, what the runner kept of them (`verified`), which sets
+    the next k."""
+
+    def __init__(
+        self, cfg: SpeculativeConfig, proposer, token_cost: float, replay_limits: tuple | None
+    ):
+        self.config, self.proposer, self.token_cost, self.replay_limits = (
+            cfg,
+            proposer,
+            token_cost,
+            replay_limits,
+        )
+        self.acceptance: dict[
+            Sequence, list[float]
+        ] = {}  # decayed right and wrong guesses, steps since the last
         self.counters = dict.fromkeys(["drafts", "accepted", "emitted"], 0)
-        self.accepted_lengths = Counter()                      # verify steps by number of accepted guesses
-        self.q: dict[Sequence, torch.Tensor] = {}              # the draft's distributions of the pending guesses
+        self.accepted_lengths = Counter()  # verify steps by number of accepted guesses
+        self.q: dict[
+            Sequence, torch.Tensor
+        ] = {}  # the draft's distributions of the pending guesses
 
     def _cap(self, seq: Sequence) -> int:
         "The most guesses `seq` can use: k, fewer near its `max_tokens` or the context's end."
-        return max(0, min(self.config.num_speculative_tokens, seq.params.max_tokens - len(seq.output_ids) - 1, seq.max_len - seq.num_tokens - 1))
+        left = min(seq.params.max_tokens - len(seq.output_ids), seq.max_len - seq.num_tokens) - 1
+        return max(0, min(self.config.num_speculative_tokens, left))
 
     def _plan(self, seqs: list[Sequence]) -> list[int]:
-        "k for each decoding sequence: its cap, or with `adaptive` what `plan_guesses` gives for the acceptance rates so far."
+        """k for each sequence: its cap, or with `adaptive` what `plan_guesses` gives for the
+        acceptance rates so far."""
         caps = [self._cap(s) for s in seqs]
-        if not self.config.adaptive: return caps
-        stats = [self.acceptance.setdefault(s, [0.0, 0.0, 0]) for s in seqs]   # decayed right and wrong guesses, idle steps
+        if not self.config.adaptive:
+            return caps
+        stats = [self.acceptance.setdefault(s, [0.0, 0.0, 0]) for s in seqs]
         max_tokens = None
-        if self.replay_limits and len(seqs) <= self.replay_limits[0]:       # plain steps are replayed: keep guessing ones so
-            max_tokens, row = self.replay_limits
+        # plain steps are replayed: keep guessing
+        if self.replay_limits and len(seqs) <= self.replay_limits[0]:
+            max_tokens, row = self.replay_limits  # ones so (chapter 7)
             caps = [min(c, row - 1) for c in caps]
-        ks = plan_guesses([(right + 1) / (right + wrong + 1) for right, wrong, _ in stats], caps, self.token_cost, max_tokens)
+        alphas = [(right + 1) / (right + wrong + 1) for right, wrong, _ in stats]
+        ks = plan_guesses(alphas, caps, self.token_cost, max_tokens)
         for i, st in enumerate(stats):
-            if ks[i] == 0 and caps[i] and st[2] >= 8: ks[i] = 1      # a probe now and then: the text may have changed
+            if ks[i] == 0 and caps[i] and st[2] >= 8:
+                ks[i] = 1  # a probe now and then: the text may have changed
             st[2] = 0 if ks[i] else st[2] + 1
         return ks
 
-    def propose(self, running: list[Sequence]):
-        "Set `spec_token_ids` of the decoding sequences (none while more than `disable_by_batch_size` decode)."
-        decoding = [s for s in running if s.is_decoding]
-        for s in decoding: s.spec_token_ids = []
-        limit = self.config.disable_by_batch_size
-        if not decoding or (limit is not None and len(decoding) > limit): return
-        todo = [(s, k) for s, k in zip(decoding, self._plan(decoding)) if k > 0]
-        if not todo: return
-        for (s, k), (guesses, q) in zip(todo, self.proposer.propose(*map(list, zip(*todo)))):
-            s.spec_token_ids = guesses[:k]
-            if q is not None: self.q[s] = q
-
-    def target_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The raw logits [B, K+1, V] with each row's penalties: row j of sequence b scores its j-th next token given that its
-        first j guesses are right, so the penalties count those guesses as output and stay exact."""
-        B, K1, V = logits.shape
-        params = [s.params for s in seqs]
-        if not any(p.has_penalties for p in params): return logits
-        hist = [(s.prompt_ids, s.output_ids + s.spec_token_ids[:j]) for s in seqs for j in range(K1)]
-        return apply_penalties(logits.flatten(0, 1), [p for p in params for _ in range(K1)], hist).view(B, K1, V)
-
-    def verify(self, sampled: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[tuple[list[int], list]] | None:
-        """Accept or reject every sequence's guesses against the target's logits (k rows each), roll back the rejected ones,
-        and return each sequence's new tokens with their logprobs (the target's); None if no sequence had guesses."""
-        if all(k == 1 for _, k in sampled): return None             # no guesses in this step: the engine samples as usual
-        seqs, ks, dev = [s for s, _ in sampled], [k for _, k in sampled], logits.device
-        K, starts = max(ks) - 1, np.cumsum([0] + ks[:-1]).tolist()
-        raw = logits.float()[torch.tensor([[st + min(j, k - 1) for j in range(K + 1)] for st, k in zip(starts, ks)], device=dev)]
-        scores = self.target_logits(raw, seqs)
-        draft = torch.tensor([s.spec_token_ids + [-1] * (K - len(s.spec_token_ids)) for s in seqs], device=dev)
-        num_draft = torch.tensor([k - 1 for k in ks], device=dev)
-        accepted, nxt = torch.empty_like(num_draft), torch.empty_like(num_draft)
-        greedy = [b for b, s in enumerate(seqs) if s.params.greedy]
-        if greedy: accepted[greedy], nxt[greedy] = greedy_verify(scores[greedy], draft[greedy], num_draft[greedy])
-        rows = [b for b, s in enumerate(seqs) if not s.params.greedy]
-        if rows:   # p: chapter 1's temperature, top-k, top-p and min-p, position by position
-            p = self.sampler.probs(scores[rows].flatten(0, 1), [seqs[b].params for b in rows for _ in range(K + 1)]).view(len(rows), K + 1, -1)
-            q = self._draft_probs([seqs[b] for b in rows], K, p.shape[-1], dev)
-            accepted[rows], nxt[rows] = rejection_sample(p, draft[rows], num_draft[rows], q, [seqs[b].generator for b in rows])
-        accepted, nxt = accepted.tolist(), nxt.tolist()
-        new = [s.spec_token_ids[:a] + [t] for s, a, t in zip(seqs, accepted, nxt)]
-        lps = self._logprobs(raw, seqs, new)
-        for s, a, k in zip(seqs, accepted, ks):
-            s.truncate(s.num_tokens + a, self.allocator)           # the K/V of rejected guesses go; their blocks too
+    def propose(self, seqs: list[Sequence]):
+        """Set `spec_token_ids` of the decoding sequences (none while more than
+        `disable_by_batch_size` decode)."""
+        for s in seqs:
             s.spec_token_ids = []
             self.q.pop(s, None)
-            if k > 1: self._count(s, a, k - 1)
-        return list(zip(new, lps))
+        limit = self.config.disable_by_batch_size
+        if not seqs or (limit is not None and len(seqs) > limit):
+            return
+        todo = [(s, k) for s, k in zip(seqs, self._plan(seqs)) if k > 0]
+        if not todo:
+            return
+        for (s, k), (guesses, q) in zip(todo, self.proposer.propose(*map(list, zip(*todo)))):
+            s.spec_token_ids = guesses[:k]
+            if q is not None:
+                self.q[s] = q
 
-    def _draft_probs(self, seqs, K, V, dev):
-        "q [B, K, V] for draft-model guesses (one-hot for sequences whose guesses were deterministic), or None."
-        qs = [self.q.get(s) for s in seqs]
-        if all(q is None for q in qs): return None
-        q = torch.zeros(len(seqs), K, V, device=dev)
-        for b, (s, qb) in enumerate(zip(seqs, qs)):
-            n = len(s.spec_token_ids)
-            if qb is not None: q[b, :n] = qb[:n]
-            elif n: q[b, torch.arange(n), torch.tensor(s.spec_token_ids, device=dev)] = 1.0
-        return q
+    def draft_probs(self, seq: Sequence):
+        return self.q.get(seq)
 
-    def _logprobs(self, raw, seqs, new):
-        "The target's logprobs of each emitted token, for the sequences that asked."
-        if all(s.logprobs is None for s in seqs): return [[None] * len(t) for t in new]
-        K1 = raw.shape[1]
-        toks = torch.tensor([t + [0] * (K1 - len(t)) for t in new], device=raw.device)
-        lps = self.sampler.logprobs(raw.flatten(0, 1), toks.flatten(), [s.params for s in seqs for _ in range(K1)])
-        return [lps[b * K1: b * K1 + len(t)] for b, t in enumerate(new)]
-
-    def _count(self, seq: Sequence, accepted: int, drafted: int):
+    def verified(self, seq: Sequence, accepted: int, guessed: int):
         c = self.counters
-        c["drafts"] += drafted; c["accepted"] += accepted; c["emitted"] += accepted + 1
+        c["drafts"] += guessed
+        c["accepted"] += accepted
+        c["emitted"] += accepted + 1
         self.accepted_lengths[accepted] += 1
-        st = self.acceptance.setdefault(seq, [0.0, 0.0, 0])     # decay: the rate follows the text as it changes
-        st[0], st[1] = 0.8 * st[0] + accepted, 0.8 * st[1] + (accepted < drafted)
+        # decay: the rate follows the text as it changes
+        st = self.acceptance.setdefault(seq, [0.0, 0.0, 0])
+        st[0], st[1] = 0.8 * st[0] + accepted, 0.8 * st[1] + (accepted < guessed)
+        self.q.pop(seq, None)
 
     def free(self, seq: Sequence):
         "A sequence finished or was preempted: forget its pending guesses, free its draft blocks."
         self.q.pop(seq, None)
-        if seq.finish_reason is not None: self.acceptance.pop(seq, None)
+        if seq.finish_reason is not None:
+            self.acceptance.pop(seq, None)
         self.proposer.free(seq)
 
     def stats(self) -> dict:
         c = self.counters
-        return dict(spec_decode_num_draft_tokens_total=c["drafts"], spec_decode_num_accepted_tokens_total=c["accepted"],
-                    spec_decode_num_emitted_tokens_total=c["emitted"],
-                    spec_decode_draft_acceptance_rate=c["accepted"] / c["drafts"] if c["drafts"] else 0.0)
+        return dict(
+            spec_decode_num_draft_tokens_total=c["drafts"],
+            spec_decode_num_accepted_tokens_total=c["accepted"],
+            spec_decode_num_emitted_tokens_total=c["emitted"],
+            spec_decode_draft_acceptance_rate=c["accepted"] / c["drafts"] if c["drafts"] else 0.0,
+        )
+
+# %% ../nbs/05_speculative.ipynb #459b8d92
+class VerifyingSampler(NextTokenSampler):
+    """Chapter 5's side of the runner: a row with k guesses has 1 + k logits rows; keep the
+    guesses the target agrees with (greedy) or accepts (rejection sampling), then one more token.
+    Rows without guesses: chapter 3's."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[ScheduledRequest], batch: SamplingBatch):
+        ks = [r.num_logits for r in rows]
+        if all(k == 1 for k in ks):
+            return super().__call__(logits, rows, batch)
+        B, K, dev = len(rows), max(ks) - 1, logits.device
+        starts = np.cumsum([0] + ks[:-1]).tolist()
+        at = torch.tensor(
+            [[st + min(j, k - 1) for j in range(K + 1)] for st, k in zip(starts, ks)], device=dev
+        )
+        raw = logits.float()[at]  # [B, K + 1, V]: row j scores the token after the first j guesses
+        draft = torch.tensor([r.guesses + [-1] * (K - len(r.guesses)) for r in rows], device=dev)
+        num_draft = torch.tensor([k - 1 for k in ks], device=dev)
+        positions = self._positions(batch, draft, K)  # a SamplingBatch row per verified position
+        scores = raw
+        if positions.penalties is not None:
+            scores = apply_penalties(raw.flatten(0, 1), positions.penalties).view(raw.shape)
+        accepted, nxt = torch.empty_like(num_draft), torch.empty_like(num_draft)
+        greedy = [b for b in range(B) if batch.greedy[b]]
+        if greedy:
+            accepted[greedy], nxt[greedy] = greedy_verify(
+                scores[greedy], draft[greedy], num_draft[greedy]
+            )
+        sampled = [b for b in range(B) if not batch.greedy[b]]
+        if sampled:  # p: chapter 1's temperature, top-k, top-p and min-p, position by position
+            at_rows = SamplingBatch.of(
+                positions, [b * (K + 1) + j for b in sampled for j in range(K + 1)]
+            )
+            p = self.sampler.probs(scores[sampled].flatten(0, 1), at_rows).view(
+                len(sampled), K + 1, -1
+            )
+            q = self._draft_probs([rows[b] for b in sampled], K, p.shape[-1], dev)
+            gens = [batch.generators[b] for b in sampled]
+            accepted[sampled], nxt[sampled] = rejection_sample(
+                p, draft[sampled], num_draft[sampled], q, gens
+            )
+        accepted, nxt = accepted.tolist(), nxt.tolist()
+        new = [r.guesses[:a] + [t] for r, a, t in zip(rows, accepted, nxt)]
+        return new, self._logprobs(raw, positions, new)
+
+    @staticmethod
+    def _positions(batch: SamplingBatch, draft: torch.Tensor, K: int) -> SamplingBatch:
+        """`batch` with each row repeated for its K + 1 verified positions; with penalties,
+        position j counts the row's first j guesses as generated, so that the penalties stay
+        exact."""
+        B = len(batch)
+        extra = None
+        if batch.penalties is not None:
+            V = batch.penalties.counts.shape[1]
+            hot = F.one_hot(draft.clamp(min=0), V).float() * (draft >= 0).unsqueeze(-1)  # [B, K, V]
+            extra = torch.cat([hot.new_zeros(B, 1, V), hot.cumsum(1)], 1).flatten(0, 1)
+        return SamplingBatch.of(batch, [b for b in range(B) for _ in range(K + 1)], extra)
+
+    @staticmethod
+    def _draft_probs(rows: list[ScheduledRequest], K: int, V: int, dev):
+        """q [B, K, V] for draft-model guesses (one-hot for rows whose guesses were
+        deterministic), or None."""
+        if all(r.draft_probs is None for r in rows):
+            return None
+        q = torch.zeros(len(rows), K, V, device=dev)
+        for b, r in enumerate(rows):
+            n = len(r.guesses)
+            if r.draft_probs is not None:
+                q[b, :n] = r.draft_probs[:n]
+            elif n:
+                q[b, torch.arange(n), torch.tensor(r.guesses, device=dev)] = 1.0
+        return q
+
+    def _logprobs(self, raw: torch.Tensor, positions: SamplingBatch, new: list[list[int]]):
+        "The target's logprobs of each emitted token, for the rows that asked."
+        if not positions.wants_logprobs:
+            return [[None] * len(t) for t in new]
+        K1 = raw.shape[1]
+        toks = torch.tensor([t + [0] * (K1 - len(t)) for t in new], device=raw.device)
+        lps = self.sampler.logprobs(raw.flatten(0, 1), toks.flatten(), positions)
+        return [lps[b * K1 : b * K1 + len(t)] for b, t in enumerate(new)]
+
+# %% ../nbs/05_speculative.ipynb #459b8d93
+def speculative_decoding(config, ctx) -> tuple[SpeculativeProposer, VerifyingSampler]:
+    """What chapter 5 plugs into the engine (`speculative_config`): a proposer for the scheduler
+    and a verifying sampler for the runner. `ctx` is the engine's `DraftContext`."""
+    cfg = SpeculativeConfig.from_dict(config)
+    if cfg.method == "ngram":
+        proposer, draft_cost = NgramProposer(cfg.prompt_lookup_max, cfg.prompt_lookup_min), 0.0
+    else:
+        draft = load_draft(cfg, ctx.model, ctx.tokenizer)
+        run_step = ctx.prepare(draft, cfg.quantization)
+        proposer = DraftModelProposer(
+            draft, run_step, ctx.attention(), ctx.num_blocks, ctx.block_size
+        )
+        # decoding reads the weights: time ~ bytes
+        draft_cost = weights_bytes(draft) / ctx.weights_bytes
+    cost = (
+        cfg.draft_token_cost if cfg.draft_token_cost is not None else VERIFY_TOKEN_COST + draft_cost
+    )
+    return SpeculativeProposer(cfg, proposer, cost, ctx.replay_limits), VerifyingSampler()

@@ -14,130 +14,205 @@ from .paged_attention import AttentionBackend
 from .kv_cache import PagedKVCache
 
 # %% ../nbs/02_paged_cache.ipynb #73316056
-def random_paged_step(cfg: ModelConfig, n_rows: int, block_size: int = 16, ctx_range=(1, 100), chunk_rows=(), seed: int = 0,
-                      device=None, dtype=torch.float32, backend: AttentionBackend | None = None):
-    """A random step over `n_rows` sequences, decodes first, whose earlier context is already in a pool of shuffled blocks;
-    rows in `chunk_rows` bring several tokens. Returns (cache, rows for `make_step`, q, k, v, each row's full K and V)."""
+def random_paged_step(
+    cfg: ModelConfig,
+    n_rows: int,
+    block_size: int = 16,
+    ctx_range=(1, 100),
+    chunk_rows=(),
+    seed: int = 0,
+    device=None,
+    dtype=torch.float32,
+    backend: AttentionBackend | None = None,
+):
+    """A random step over `n_rows` sequences, decodes first, whose earlier context is already in
+    a pool of shuffled blocks; rows in `chunk_rows` bring several tokens. Returns (cache, rows
+    for `make_step`, q, k, v, each row's full K and V)."""
     g = torch.Generator().manual_seed(seed)
     H, Hq, D = cfg.num_key_value_heads, cfg.num_attention_heads, cfg.head_dim
     ctx = torch.randint(*ctx_range, (n_rows,), generator=g).tolist()
-    qlens = [int(torch.randint(2, c + 1, (1,), generator=g)) if i in chunk_rows and c > 1 else 1 for i, c in enumerate(ctx)]
+    qlens = [
+        int(torch.randint(2, c + 1, (1,), generator=g)) if i in chunk_rows and c > 1 else 1
+        for i, c in enumerate(ctx)
+    ]
     order = sorted(range(n_rows), key=lambda i: qlens[i] > 1)
     ctx, qlens = [ctx[i] for i in order], [qlens[i] for i in order]
     num_blocks = sum(-(-c // block_size) for c in ctx) + 3
     cache = PagedKVCache(cfg, num_blocks, block_size, device, dtype, backend)
     alloc = BlockAllocator(num_blocks)
-    alloc.free_blocks = deque(torch.randperm(num_blocks, generator=g).tolist())   # scatter the blocks
+    # scatter the blocks
+    alloc.free_blocks = deque(torch.randperm(num_blocks, generator=g).tolist())
     rows, full_k, full_v = [], [], []
     for c, n in zip(ctx, qlens):
-        tb = BlockTable(block_size); assert tb.append(c, alloc)
+        tb = BlockTable(block_size)
+        assert tb.append(c, alloc)
         kk, vv = (torch.randn(c, H, D, generator=g).to(device, dtype) for _ in range(2))
-        old = torch.tensor(tb.slots(0, c - n), dtype=torch.long, device=cache.device)   # earlier context: written directly
+        # earlier context: written directly
+        old = torch.tensor(tb.slots(0, c - n), dtype=torch.long, device=cache.device)
         for layer in range(cfg.num_hidden_layers):
-            cache.k[layer].view(-1, H, D)[old], cache.v[layer].view(-1, H, D)[old] = kk[:c - n], vv[:c - n]
-        rows.append(([0] * n, c - n, tb, 1)); full_k.append(kk); full_v.append(vv)
+            cache.k[layer].view(-1, H, D)[old], cache.v[layer].view(-1, H, D)[old] = (
+                kk[: c - n],
+                vv[: c - n],
+            )
+        rows.append(([0] * n, c - n, tb.blocks, 1))
+        full_k.append(kk)
+        full_v.append(vv)
     q = torch.randn(sum(qlens), Hq, D, generator=g).to(device, dtype)
-    k = torch.cat([kk[-n:] for kk, n in zip(full_k, qlens)]); v = torch.cat([vv[-n:] for vv, n in zip(full_v, qlens)])
+    k = torch.cat([kk[-n:] for kk, n in zip(full_k, qlens)])
+    v = torch.cat([vv[-n:] for vv, n in zip(full_v, qlens)])
     return cache, rows, q, k, v, full_k, full_v
 
+
 def attention_by_row(q, full_k, full_v, rows) -> torch.Tensor:
-    "What paged attention must give for `random_paged_step`'s rows: each row's queries over its own contiguous K/V."
+    """What paged attention must give for `random_paged_step`'s rows: each row's queries over its
+    own contiguous K/V."""
     out, t = [], 0
     for kk, vv, (tokens, *_) in zip(full_k, full_v, rows):
-        n = len(tokens); out.append(causal_attention(q[t:t + n], kk, vv, len(kk) - n)); t += n
+        n = len(tokens)
+        out.append(causal_attention(q[t : t + n], kk, vv, len(kk) - n))
+        t += n
     return torch.cat(out)
 
 # %% ../nbs/02_paged_cache.ipynb #c796f4be
 def time_attend(cache: PagedKVCache, step, q, k, v, reps: int = 5) -> float:
-    "Best of `reps` timings of one layer's attend, in ms (the minimum is the least disturbed by other work on the machine)."
+    """Best of `reps` timings of one layer's attend, in ms (the minimum is the least disturbed by
+    other work on the machine)."""
     sync = torch.cuda.synchronize if cache.device.type == "cuda" else (lambda: None)
-    cache.attend(0, q, k, v, step); sync()
+    cache.attend(0, q, k, v, step)
+    sync()
     ts = []
     for _ in range(reps):
-        t0 = time.perf_counter(); cache.attend(0, q, k, v, step); sync(); ts.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        cache.attend(0, q, k, v, step)
+        sync()
+        ts.append(time.perf_counter() - t0)
     return min(ts) * 1e3
 
 # %% ../nbs/02_paged_cache.ipynb #f703e6a1
 @torch.inference_mode()
-def generate_paged(model: CausalLM, prompts: list[list[int]], max_new_tokens: int, block_size: int = 16,
-                   chunk_size: int | None = None, cache: PagedKVCache | None = None) -> list[list[int]]:
-    "Greedy generation of `max_new_tokens` for each prompt, all sequences batched through a `PagedKVCache`."
+def generate_paged(
+    model: CausalLM,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    block_size: int = 16,
+    chunk_size: int | None = None,
+    cache: PagedKVCache | None = None,
+) -> list[list[int]]:
+    """Greedy generation of `max_new_tokens` for each prompt, all sequences batched through a
+    `PagedKVCache`."""
     if cache is None:
         need = sum(-(-(len(p) + max_new_tokens) // block_size) for p in prompts)
         cache = PagedKVCache(model.config, need, block_size, device=model.device, dtype=model.dtype)
     alloc = BlockAllocator(cache.num_blocks)
     tables = [BlockTable(cache.block_size) for _ in prompts]
-    todo = [list(p) for p in prompts]           # tokens of each sequence not yet in the cache
+    todo = [list(p) for p in prompts]  # tokens of each sequence not yet in the cache
     outs = [[] for _ in prompts]
     while active := [i for i in range(len(prompts)) if len(outs[i]) < max_new_tokens]:
-        active.sort(key=lambda i: len(todo[i]) > 1)   # decodes (one token to feed) first
+        active.sort(key=lambda i: len(todo[i]) > 1)  # decodes (one token to feed) first
         rows = []
         for i in active:
-            feed, start = todo[i][:chunk_size or len(todo[i])], tables[i].num_tokens
-            if not tables[i].append(len(feed), alloc): raise RuntimeError("KV pool exhausted")
-            todo[i] = todo[i][len(feed):]
-            rows.append((feed, start, tables[i], 1))
-        step = cache.make_step(rows)
-        logits = model(step.input_ids, step.positions, cache, step, step.logits_indices)
+            feed, start = todo[i][: chunk_size or len(todo[i])], tables[i].num_tokens
+            if not tables[i].append(len(feed), alloc):
+                raise RuntimeError("KV pool exhausted")
+            todo[i] = todo[i][len(feed) :]
+            rows.append((feed, start, tables[i].blocks, 1))
+        logits = model(cache.make_step(rows), cache)
         for i, tok in zip(active, logits.argmax(-1).tolist()):
-            if not todo[i]: outs[i].append(tok); todo[i] = [tok]   # prompt done: this row produced a token
-    for tb in tables: tb.free(alloc)
+            if not todo[i]:
+                outs[i].append(tok)
+                todo[i] = [tok]  # prompt done: this row produced a token
+    for tb in tables:
+        tb.free(alloc)
     return outs
 
 # %% ../nbs/02_paged_cache.ipynb #795a7043
 def kv_utilisation(seq_lens, block_size: int | None = None, max_seq_len: int | None = None) -> dict:
-    "Reservation per sequence and utilisation: paged with `block_size`, or contiguous reserving `max_seq_len` each."
+    """Reservation per sequence and utilisation: paged with `block_size`, or contiguous reserving
+    `max_seq_len` each."""
     seq_lens = np.asarray(seq_lens)
-    reserved = np.full_like(seq_lens, max_seq_len) if block_size is None else -(-seq_lens // block_size) * block_size
-    return {"reserved": reserved.mean(), "utilisation": seq_lens.sum() / reserved.sum(),
-            "internal_waste": (reserved - seq_lens).mean()}
+    reserved = (
+        np.full_like(seq_lens, max_seq_len)
+        if block_size is None
+        else -(-seq_lens // block_size) * block_size
+    )
+    return {
+        "reserved": reserved.mean(),
+        "utilisation": seq_lens.sum() / reserved.sum(),
+        "internal_waste": (reserved - seq_lens).mean(),
+    }
 
 # %% ../nbs/02_paged_cache.ipynb #d2fc843a
-def simulate_churn(seq_lens, output_lens, capacity: int, block_size: int | None = None, steps: int = 2000) -> dict:
-    """Admit requests in order while they fit, each holding its final length for `output_lens[i]` steps.
-    Contiguous first-fit buffers when `block_size` is None, else pages. Returns the mean number running and the
-    mean share of memory that was free when the next request was refused (external fragmentation)."""
-    holes = [(0, capacity)]                      # contiguous: sorted free (start, length) ranges
+def simulate_churn(
+    seq_lens, output_lens, capacity: int, block_size: int | None = None, steps: int = 2000
+) -> dict:
+    """Admit requests in order while they fit, each holding its final length for `output_lens[i]`
+    steps. Contiguous first-fit buffers when `block_size` is None, else pages. Returns the mean
+    number running and the mean share of memory that was free when the next request was refused
+    (external fragmentation)."""
+    holes = [(0, capacity)]  # contiguous: sorted free (start, length) ranges
     free_blocks = capacity // (block_size or 1)
     running, nxt, n_running, stuck_free = [], 0, [], []
+
     def admit(size):
         nonlocal free_blocks
         if block_size is not None:
             need = -(-size // block_size)
-            if need > free_blocks: return None
-            free_blocks -= need; return need
+            if need > free_blocks:
+                return None
+            free_blocks -= need
+            return need
         for j, (s, n) in enumerate(holes):
             if n >= size:
-                holes[j:j + 1] = [(s + size, n - size)] if n > size else []
+                holes[j : j + 1] = [(s + size, n - size)] if n > size else []
                 return (s, size)
         return None
+
     def release(r):
         nonlocal free_blocks
-        if block_size is not None: free_blocks += r; return
-        holes.append(r); holes.sort()
+        if block_size is not None:
+            free_blocks += r
+            return
+        holes.append(r)
+        holes.sort()
         merged = [holes[0]]
         for s, n in holes[1:]:
-            if merged[-1][0] + merged[-1][1] == s: merged[-1] = (merged[-1][0], merged[-1][1] + n)
-            else: merged.append((s, n))
+            if merged[-1][0] + merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((s, n))
         holes[:] = merged
+
     for _ in range(steps):
-        for item in [x for x in running if x[0] == 0]: release(item[1]); running.remove(item)
+        for item in [x for x in running if x[0] == 0]:
+            release(item[1])
+            running.remove(item)
         while nxt < len(seq_lens):
             got = admit(int(seq_lens[nxt]))
             if got is None:
                 free = free_blocks * block_size if block_size else sum(n for _, n in holes)
-                stuck_free.append(free / capacity); break
-            running.append([int(output_lens[nxt]), got]); nxt += 1
-        for x in running: x[0] -= 1
+                stuck_free.append(free / capacity)
+                break
+            running.append([int(output_lens[nxt]), got])
+            nxt += 1
+        for x in running:
+            x[0] -= 1
         n_running.append(len(running))
-    return {"mean_running": float(np.mean(n_running)), "free_when_refused": float(np.mean(stuck_free)) if stuck_free else 0.0}
+    return {
+        "mean_running": float(np.mean(n_running)),
+        "free_when_refused": float(np.mean(stuck_free)) if stuck_free else 0.0,
+    }
 
 # %% ../nbs/03_continuous_batching.ipynb #f7943b44
 def assert_greedy_close(ref: list, got: list):
-    """Greedy outputs (`RequestOutput`s with logprobs >= 1) that may differ only at a near-tie: up to the first different
-    token they are the same, and there each one's token is among the other's most likely ones."""
+    """Greedy outputs (`RequestOutput`s with logprobs >= 1) that may differ only at a near-tie:
+    up to the first different token they are the same, and there each one's token is among the
+    other's most likely ones."""
     for r, g in zip(ref, got, strict=True):
         i = next((i for i, (a, b) in enumerate(zip(r.token_ids, g.token_ids)) if a != b), None)
-        if i is None: assert len(r.token_ids) == len(g.token_ids), f"request {r.request_id}: lengths differ"; continue
-        assert g.token_ids[i] in r.logprobs[i].top and r.token_ids[i] in g.logprobs[i].top, \
-            f"request {r.request_id}: token {i} differs ({r.token_ids[i]} vs {g.token_ids[i]}) and is not a near-tie"
+        if i is None:
+            assert len(r.token_ids) == len(g.token_ids), f"request {r.request_id}: lengths differ"
+            continue
+        assert g.token_ids[i] in r.logprobs[i].top and r.token_ids[i] in g.logprobs[i].top, (
+            f"request {r.request_id}: token {i} differs ({r.token_ids[i]} vs {g.token_ids[i]}) and "
+            "is not a near-tie"
+        )

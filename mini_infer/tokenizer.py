@@ -16,16 +16,25 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 # %% ../nbs/01_model.ipynb #cea1805b
-def _raise_exception(message): raise jinja2.exceptions.TemplateError(message)
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
 
 def compile_chat_template(source: str) -> jinja2.Template:
     "Compile a chat template in a sandboxed Jinja environment with Hugging Face's globals."
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    env.globals.update(
+        raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt)
+    )
     return env.from_string(source)
 
 # %% ../nbs/01_model.ipynb #c1e3a69d
@@ -33,96 +42,183 @@ def compile_chat_template(source: str) -> jinja2.Template:
 _QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 _LLAMA3_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
-def _split(regex): return [pre_tokenizers.Split(Regex(regex), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+
+def _split(regex):
+    return [
+        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]
+
 
 PRE_TOKENIZERS = {
     "gpt2": lambda: [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)],
-    "smollm": lambda: [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)],
+    "smollm": lambda: [
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ],
     "qwen2": lambda: _split(_QWEN2_SPLIT),
     "llama-bpe": lambda: _split(_LLAMA3_SPLIT),
 }
 PRE_TOKENIZERS["default"] = PRE_TOKENIZERS["gpt2"]
 
+
 def _byte_alphabet() -> dict[int, str]:
     "GPT-2's map from each byte to a printable character."
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs, n = bs[:], 0
     for b in range(256):
-        if b not in bs: bs.append(b); cs.append(256 + n); n += 1
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
     return dict(zip(bs, map(chr, cs)))
+
 
 def gguf_field(reader, key, default=None):
     "The value of GGUF metadata `key` (a scalar, string or list), or `default`."
     f = reader.fields.get(key)
     return default if f is None else f.contents()
 
-def build_bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[int] | None, pre: str | None) -> HFTokenizer:
-    "A `tokenizers` byte-level BPE tokenizer from a GGUF's vocabulary, merges, token types and pre-tokenizer name."
+
+def build_bpe_tokenizer(
+    tokens: list[str], merges: list[str], token_types: list[int] | None, pre: str | None
+) -> HFTokenizer:
+    """A `tokenizers` byte-level BPE tokenizer from a GGUF's vocabulary, merges, token types and
+    pre-tokenizer name."""
     pre = pre or "default"
-    if pre not in PRE_TOKENIZERS: raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(PRE_TOKENIZERS)}")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(
+            f"unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(PRE_TOKENIZERS)}"
+        )
     spell = _byte_alphabet()
     alphabet = set(spell.values())
     respell = lambda t: t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8"))
     vocab = {respell(t): i for i, t in enumerate(tokens)}
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], dropout=None,
-                                 continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
-    if pre == "qwen2": tok.normalizer = normalizers.NFC()  # as Qwen2's tokenizer.json
+    tok = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[tuple(m.split(" ", 1)) for m in merges],
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
+    if pre == "qwen2":
+        tok.normalizer = normalizers.NFC()  # as Qwen2's tokenizer.json
     tok.pre_tokenizer = pre_tokenizers.Sequence(PRE_TOKENIZERS[pre]())
     tok.decoder = decoders.ByteLevel()
     types = token_types or [1] * len(tokens)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3 and set(t) <= alphabet])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
+    tok.add_special_tokens([
+        AddedToken(t, special=True, normalized=False)
+        for t, ty in zip(tokens, types)
+        if ty == 3 and set(t) <= alphabet
+    ])
+    tok.add_tokens([
+        AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == 4
+    ])
     return tok
 
 # %% ../nbs/01_model.ipynb #9ffb8e18
 STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>")
 
+
 def _content(t):
     "A token given as a string or as an AddedToken dict."
     return t.get("content") if isinstance(t, dict) else t
 
+
 class Tokenizer:
     "Text <-> token ids, chat templates and stop tokens for one model."
-    def __init__(self, tok: HFTokenizer, chat_template: str | None = None, bos_token: str | None = None,
-                 eos_token: str | None = None, add_bos: bool = False, eos_token_ids=(), special_tokens: dict | None = None):
-        self.tok, self.chat_template, self.bos_token, self.eos_token, self.add_bos = tok, chat_template, bos_token, eos_token, add_bos
+
+    def __init__(
+        self,
+        tok: HFTokenizer,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        add_bos: bool = False,
+        eos_token_ids=(),
+        special_tokens: dict | None = None,
+    ):
+        self.tok, self.chat_template, self.bos_token, self.eos_token, self.add_bos = (
+            tok,
+            chat_template,
+            bos_token,
+            eos_token,
+            add_bos,
+        )
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
-        ids = [self.token_to_id(eos_token)] + list(eos_token_ids) + [self.token_to_id(t) for t in STOP_TOKENS]
+        ids = (
+            [self.token_to_id(eos_token)]
+            + list(eos_token_ids)
+            + [self.token_to_id(t) for t in STOP_TOKENS]
+        )
         self.eos_token_ids = list(dict.fromkeys(i for i in ids if i is not None))
         self.bos_token_id = self.token_to_id(bos_token)
         self._template = compile_chat_template(chat_template) if chat_template else None
 
-    def token_to_id(self, token: str | None) -> int | None: return None if token is None else self.tok.token_to_id(token)
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self.tok.token_to_id(token)
 
     @property
-    def vocab_size(self) -> int: return self.tok.get_vocab_size(with_added_tokens=True)
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        "Token ids of `text`; special-token text like `<|im_start|>` maps to its id. BOS only if the model needs it."
+        """Token ids of `text`; special-token text like `<|im_start|>` maps to its id. BOS only
+        if the model needs it."""
         ids = self.tok.encode(text, add_special_tokens=False).ids
-        return [self.bos_token_id] + ids if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id] else ids
+        return (
+            [self.bos_token_id] + ids
+            if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]
+            else ids
+        )
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        "Text of `ids` (a list or 1-D tensor); special tokens like `<|im_end|>` are dropped unless asked for."
+        """Text of `ids` (a list or 1-D tensor); special tokens like `<|im_end|>` are dropped
+        unless asked for."""
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs
+    ) -> str:
         "Render a conversation (list of {'role', 'content'}) with the model's chat template."
-        if self._template is None: raise ValueError("this tokenizer has no chat template (a base model?); use plain prompts")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **{**self.special_tokens, "bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs})
+        if self._template is None:
+            raise ValueError(
+                "this tokenizer has no chat template (a base model?); use plain prompts"
+            )
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            **{
+                **self.special_tokens,
+                "bos_token": self.bos_token,
+                "eos_token": self.eos_token,
+                **kwargs,
+            },
+        )
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         "Token ids of the rendered conversation (the template writes any BOS itself)."
-        return self.tok.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False).ids
+        return self.tok.encode(
+            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+        ).ids
 
-    def __repr__(self): return f"Tokenizer(vocab_size={self.vocab_size}, eos_token_ids={self.eos_token_ids}, chat_template={self._template is not None})"
+    def __repr__(self):
+        return f"Tokenizer(vocab_size={self.vocab_size}, eos_token_ids={self.eos_token_ids}, chat_template={self._template is not None})"
 
     @classmethod
     def from_dir(cls, path) -> "Tokenizer":
-        "From a Hugging Face checkpoint folder: tokenizer.json, tokenizer_config.json, and EOS ids from generation_config/config."
+        """From a Hugging Face checkpoint folder: tokenizer.json, tokenizer_config.json, and EOS
+        ids from generation_config/config."""
         path = Path(path)
-        if not (path / "tokenizer.json").exists(): raise FileNotFoundError(f"no tokenizer.json in {path}")
+        if not (path / "tokenizer.json").exists():
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
         tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
         read = lambda n: json.loads((path / n).read_text()) if (path / n).exists() else {}
         tc, eos = read("tokenizer_config.json"), []
@@ -130,64 +226,106 @@ class Tokenizer:
             e = d.get("eos_token_id")
             eos += [] if e is None else [e] if isinstance(e, int) else list(e)
         template = tc.get("chat_template")
-        if isinstance(template, list): template = {t["name"]: t["template"] for t in template}.get("default")
-        if (path / "chat_template.jinja").exists(): template = (path / "chat_template.jinja").read_text()
-        # BOS: the config says so (Llama's add_bos_token), or tokenizer.json's post-processor adds one.
+        if isinstance(template, list):
+            template = {t["name"]: t["template"] for t in template}.get("default")
+        if (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+        # BOS: the config says so (Llama's add_bos_token), or tokenizer.json's post-processor adds
+        # one.
         bos = _content(tc.get("bos_token"))
         probe = tok.encode("", add_special_tokens=True).ids
-        add_bos = bool(tc.get("add_bos_token", False)) or (bos is not None and probe[:1] == [tok.token_to_id(bos)])
-        specials = {k: _content(v) for k, v in tc.items() if k.endswith("_token") and isinstance(v, (str, dict))}
+        add_bos = bool(tc.get("add_bos_token", False)) or (
+            bos is not None and probe[:1] == [tok.token_to_id(bos)]
+        )
+        specials = {
+            k: _content(v)
+            for k, v in tc.items()
+            if k.endswith("_token") and isinstance(v, (str, dict))
+        }
         return cls(tok, template, bos, _content(tc.get("eos_token")), add_bos, eos, specials)
 
     @classmethod
     def from_gguf(cls, reader_or_path) -> "Tokenizer":
-        "Rebuild the byte-level BPE tokenizer described by a GGUF file's metadata (a path or a `gguf.GGUFReader`)."
+        """Rebuild the byte-level BPE tokenizer described by a GGUF file's metadata (a path or a
+        `gguf.GGUFReader`)."""
         if isinstance(reader_or_path, (str, Path)):
             from gguf import GGUFReader
+
             reader_or_path = GGUFReader(str(reader_or_path))
         r = reader_or_path
         kind = gguf_field(r, "tokenizer.ggml.model")
-        if kind != "gpt2": raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE)")
+        if kind != "gpt2":
+            raise ValueError(
+                f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE)"
+            )
         tokens = gguf_field(r, "tokenizer.ggml.tokens")
-        tok = build_bpe_tokenizer(tokens, gguf_field(r, "tokenizer.ggml.merges", []), gguf_field(r, "tokenizer.ggml.token_type"),
-                                  gguf_field(r, "tokenizer.ggml.pre"))
-        name = lambda key: None if (i := gguf_field(r, f"tokenizer.ggml.{key}")) is None else tokens[i]
-        return cls(tok, gguf_field(r, "tokenizer.chat_template"), name("bos_token_id"), name("eos_token_id"),
-                   bool(gguf_field(r, "tokenizer.ggml.add_bos_token", False)),
-                   special_tokens={"unk_token": name("unknown_token_id"), "pad_token": name("padding_token_id")})
+        tok = build_bpe_tokenizer(
+            tokens,
+            gguf_field(r, "tokenizer.ggml.merges", []),
+            gguf_field(r, "tokenizer.ggml.token_type"),
+            gguf_field(r, "tokenizer.ggml.pre"),
+        )
+        name = lambda key: (
+            None if (i := gguf_field(r, f"tokenizer.ggml.{key}")) is None else tokens[i]
+        )
+        return cls(
+            tok,
+            gguf_field(r, "tokenizer.chat_template"),
+            name("bos_token_id"),
+            name("eos_token_id"),
+            bool(gguf_field(r, "tokenizer.ggml.add_bos_token", False)),
+            special_tokens={
+                "unk_token": name("unknown_token_id"),
+                "pad_token": name("padding_token_id"),
+            },
+        )
 
     def save(self, path):
-        "Write tokenizer.json and tokenizer_config.json, so `from_dir(path)` gives this tokenizer back."
-        path = Path(path); path.mkdir(parents=True, exist_ok=True)
+        """Write tokenizer.json and tokenizer_config.json, so `from_dir(path)` gives this
+        tokenizer back."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
         self.tok.save(str(path / "tokenizer.json"))
-        cfg = {**self.special_tokens, "bos_token": self.bos_token, "eos_token": self.eos_token, "add_bos_token": self.add_bos,
-               "chat_template": self.chat_template}
+        cfg = {
+            **self.special_tokens,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "add_bos_token": self.add_bos,
+            "chat_template": self.chat_template,
+        }
         (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1, ensure_ascii=False))
-        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": self.eos_token_ids}))
+        (path / "generation_config.json").write_text(
+            json.dumps({"eos_token_id": self.eos_token_ids})
+        )
 
 # %% ../nbs/01_model.ipynb #14935f85
 class IncrementalDetokenizer:
     "Turns a growing list of token ids into text deltas that never split a UTF-8 character."
+
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context: int = 5):
         self.tokenizer, self.skip, self.context = tokenizer, skip_special_tokens, context
         self.ids, self.text = [], ""
-        self.prefix_offset = self.read_offset = 0  # ids[prefix_offset:read_offset]: the last few emitted tokens, kept as context
+        self.prefix_offset = self.read_offset = (
+            0  # ids[prefix_offset:read_offset]: the last few emitted tokens, kept as context
+        )
 
-    def _decode(self, ids): return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+    def _decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
     def add(self, token_ids: list[int]) -> str:
         "Append `token_ids`; return the new text (possibly empty while a character is incomplete)."
         self.ids += list(token_ids)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"): return ""
-        delta = full[len(prefix):]
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = max(0, len(self.ids) - self.context), len(self.ids)
         self.text += delta
         return delta
 
     def flush(self) -> str:
         "The held-back text (an unfinished character at the end of generation), if any."
-        delta = self._decode(self.ids)[len(self.text):]
+        delta = self._decode(self.ids)[len(self.text) :]
         self.text += delta
         return delta

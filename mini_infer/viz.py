@@ -13,25 +13,50 @@ def _owner_cmap(n):
     base = plt.get_cmap("tab20").colors
     return ListedColormap([(0.93, 0.93, 0.93)] + [base[i % len(base)] for i in range(max(n, 1))])
 
+
 def plot_block_pool(owners, ncols: int = 16, names=None, ax=None, title="physical block pool"):
-    "Draw the pool as a grid: `owners[b]` is the index of the sequence owning block b, or -1 when free."
+    """Draw the pool as a grid: `owners[b]` is the index of the sequence owning block b, or -1
+    when free."""
     owners = np.asarray(owners)
     nrows = -(-len(owners) // ncols)
-    grid = np.full(nrows * ncols, -1); grid[:len(owners)] = owners
+    grid = np.full(nrows * ncols, -1)
+    grid[: len(owners)] = owners
     n_seq = int(owners.max()) + 1 if len(owners) else 0
     ax = ax or plt.subplots(figsize=(ncols * 0.42, nrows * 0.42 + 0.8))[1]
-    ax.imshow(grid.reshape(nrows, ncols) + 1, cmap=_owner_cmap(n_seq), vmin=0, vmax=n_seq, aspect="equal")
+    ax.imshow(
+        grid.reshape(nrows, ncols) + 1, cmap=_owner_cmap(n_seq), vmin=0, vmax=n_seq, aspect="equal"
+    )
     for b in range(len(owners)):
         ax.text(b % ncols, b // ncols, str(b), ha="center", va="center", fontsize=6, color="0.3")
-    ax.set_xticks([]); ax.set_yticks([]); ax.set_title(title)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_title(title)
     names = names or [f"seq {i}" for i in range(n_seq)]
     cmap = _owner_cmap(n_seq)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=cmap(i + 1)) for i in range(n_seq)] + [plt.Rectangle((0, 0), 1, 1, color=cmap(0))]
-    ax.legend(handles, list(names) + ["free"], loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7, frameon=False)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=cmap(i + 1)) for i in range(n_seq)] + [
+        plt.Rectangle((0, 0), 1, 1, color=cmap(0))
+    ]
+    ax.legend(
+        handles,
+        list(names) + ["free"],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1),
+        fontsize=7,
+        frameon=False,
+    )
     return ax
 
-def plot_block_table(blocks, num_blocks: int, block_size: int = 16, num_tokens: int | None = None, ax=None, ncols: int | None = None):
-    "One sequence's block table: arrows from its logical blocks (top) to physical blocks in the pool (bottom)."
+
+def plot_block_table(
+    blocks,
+    num_blocks: int,
+    block_size: int = 16,
+    num_tokens: int | None = None,
+    ax=None,
+    ncols: int | None = None,
+):
+    """One sequence's block table: arrows from its logical blocks (top) to physical blocks in the
+    pool (bottom)."""
     ncols = ncols or num_blocks
     ax = ax or plt.subplots(figsize=(max(6, ncols * 0.35), 2.6))[1]
     num_tokens = len(blocks) * block_size if num_tokens is None else num_tokens
@@ -41,25 +66,49 @@ def plot_block_table(blocks, num_blocks: int, block_size: int = 16, num_tokens: 
         ax.add_patch(plt.Rectangle((x0 + i - 0.45, 1.6), 0.9, 0.5, fc="white", ec="C0"))
         ax.add_patch(plt.Rectangle((x0 + i - 0.45, 1.6), 0.9 * fill, 0.5, fc="C0", alpha=0.5))
         ax.text(x0 + i, 1.85, f"L{i}", ha="center", va="center", fontsize=7)
-        ax.annotate("", xy=(b, 0.55), xytext=(x0 + i, 1.58), arrowprops=dict(arrowstyle="->", color="C0", lw=0.8))
+        ax.annotate(
+            "",
+            xy=(b, 0.55),
+            xytext=(x0 + i, 1.58),
+            arrowprops=dict(arrowstyle="->", color="C0", lw=0.8),
+        )
     used = set(blocks)
     for b in range(num_blocks):
-        ax.add_patch(plt.Rectangle((b - 0.45, 0.0), 0.9, 0.5, fc="C1" if b in used else "0.93", ec="0.6", alpha=0.7))
+        ax.add_patch(
+            plt.Rectangle(
+                (b - 0.45, 0.0), 0.9, 0.5, fc="C1" if b in used else "0.93", ec="0.6", alpha=0.7
+            )
+        )
         ax.text(b, 0.25, str(b), ha="center", va="center", fontsize=6)
-    ax.set_xlim(-1, max(num_blocks, ncols)); ax.set_ylim(-0.2, 2.3); ax.axis("off")
-    ax.set_title(f"block table: {num_tokens} tokens in {len(blocks)} blocks of {block_size} (fill of each logical block shaded)", fontsize=9)
+    ax.set_xlim(-1, max(num_blocks, ncols))
+    ax.set_ylim(-0.2, 2.3)
+    ax.axis("off")
+    ax.set_title(
+        f"block table: {num_tokens} tokens in {len(blocks)} blocks of {block_size} (fill of each "
+        "logical block shaded)",
+        fontsize=9,
+    )
     return ax
 
 # %% ../nbs/02_paged_cache.ipynb #c1d84359
 def plot_utilisation(block_sizes, utilisation, contiguous: float | None = None, ax=None):
-    "KV utilisation (tokens stored / slots reserved) against block size, with the contiguous baseline as a line."
+    """KV utilisation (tokens stored / slots reserved) against block size, with the contiguous
+    baseline as a line."""
     ax = ax or plt.subplots(figsize=(5, 3.2))[1]
     ax.plot(block_sizes, [100 * u for u in utilisation], "o-", label="paged")
-    if contiguous is not None: ax.axhline(100 * contiguous, color="C3", ls="--", label="contiguous (reserve max length)")
-    ax.set_xscale("log", base=2); ax.set_xticks(block_sizes, [str(b) for b in block_sizes])
-    ax.set(xlabel="block size (tokens)", ylabel="KV utilisation (%)", ylim=(0, 105), title="memory holding real tokens")
+    if contiguous is not None:
+        ax.axhline(100 * contiguous, color="C3", ls="--", label="contiguous (reserve max length)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(block_sizes, [str(b) for b in block_sizes])
+    ax.set(
+        xlabel="block size (tokens)",
+        ylabel="KV utilisation (%)",
+        ylim=(0, 105),
+        title="memory holding real tokens",
+    )
     ax.legend(fontsize=8, loc="center left")
     return ax
+
 
 def plot_sequences_fit(labels, counts, ax=None, title="sequences that fit in the KV budget"):
     "Bar chart of how many sequences fit in the same memory, one bar per scheme."
@@ -77,35 +126,54 @@ def _request_grid(trace):
     row = {rid: i for i, rid in enumerate(order)}
     grid = np.zeros((len(order), len(trace)))
     for t in trace:
-        for rid, _, dec in t.work: grid[row[rid], t.step] = 2 if dec else 1
+        for rid, _, dec in t.work:
+            grid[row[rid], t.step] = 2 if dec else 1
     return grid
 
+
 def _static_grid(lens_out, batch_size):
-    "The same grid for static batching: one prefill step per batch, decode, then padding until the batch's longest ends."
-    n, steps, col = len(lens_out), sum(max(lens_out[i:i + batch_size]) for i in range(0, len(lens_out), batch_size)), 0
+    """The same grid for static batching: one prefill step per batch, decode, then padding until
+    the batch's longest ends."""
+    n, steps, col = (
+        len(lens_out),
+        sum(max(lens_out[i : i + batch_size]) for i in range(0, len(lens_out), batch_size)),
+        0,
+    )
     grid = np.zeros((n, steps))
     for b0 in range(0, n, batch_size):
-        outs = lens_out[b0:b0 + batch_size]
+        outs = lens_out[b0 : b0 + batch_size]
         for i, m in enumerate(outs):
             grid[b0 + i, col] = 1
-            grid[b0 + i, col + 1:col + m] = 2
-            grid[b0 + i, col + m:col + max(outs)] = 3
+            grid[b0 + i, col + 1 : col + m] = 2
+            grid[b0 + i, col + m : col + max(outs)] = 3
         col += max(outs)
     return grid
 
+
 def plot_timeline(trace, static_lengths=None, figsize=(12, 4)):
-    "Requests against engine steps (prefill / decode), next to static batching on the same lengths if given as (lens_out, batch_size)."
-    grids = [("continuous batching", _request_grid(trace))] + ([("static batching", _static_grid(*static_lengths))] if static_lengths else [])
+    """Requests against engine steps (prefill / decode), next to static batching on the same
+    lengths if given as (lens_out, batch_size)."""
+    grids = [("continuous batching", _request_grid(trace))] + (
+        [("static batching", _static_grid(*static_lengths))] if static_lengths else []
+    )
     cmap = ListedColormap(["white", "tab:orange", "tab:blue", "lightgrey"])
     fig, axs = plt.subplots(1, len(grids), figsize=figsize, squeeze=False)
     width = max(g.shape[1] for _, g in grids)
     for ax, (title, g) in zip(axs[0], grids):
         ax.imshow(g, aspect="auto", cmap=cmap, vmin=0, vmax=3, interpolation="nearest")
-        ax.set(title=f"{title}: {g.shape[1]} steps", xlabel="step (one forward pass)", ylabel="request", xlim=(-0.5, width - 0.5))
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:orange", "tab:blue", "lightgrey")]
+        ax.set(
+            title=f"{title}: {g.shape[1]} steps",
+            xlabel="step (one forward pass)",
+            ylabel="request",
+            xlim=(-0.5, width - 0.5),
+        )
+    handles = [
+        plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:orange", "tab:blue", "lightgrey")
+    ]
     fig.legend(handles, ["prefill", "decode", "padding (wasted)"], loc="lower center", ncol=3)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     return fig
+
 
 def plot_blocks_over_time(trace, num_blocks: int, figsize=(10, 3)):
     "KV blocks in use at each step, with the steps that preempted a request marked."
@@ -113,62 +181,148 @@ def plot_blocks_over_time(trace, num_blocks: int, figsize=(10, 3)):
     ax.plot([t.blocks_used for t in trace], label="blocks in use")
     ax.axhline(num_blocks, color="k", ls="--", lw=1, label="pool size")
     pre = [t.step for t in trace if t.preempted]
-    if pre: ax.scatter(pre, [trace[i].blocks_used for i in pre], color="red", zorder=3, label="preemption")
-    ax.set(xlabel="step", ylabel="KV blocks", title="KV-cache blocks over time"); ax.legend()
+    if pre:
+        ax.scatter(
+            pre, [trace[i].blocks_used for i in pre], color="red", zorder=3, label="preemption"
+        )
+    ax.set(xlabel="step", ylabel="KV blocks", title="KV-cache blocks over time")
+    ax.legend()
     return fig
 
 # %% ../nbs/04_prefix_cache.ipynb #d726842f
 def plot_cache_pool(alloc, ncols: int = 16, ax=None, title: str = "block pool"):
-    "The pool of a `PrefixCachingAllocator`: free, cached with no owner, or in use (reference count written in; hatched if cached)."
-    states = ["free", "cached, no owner", "in use, 1 owner", "in use, 2 owners", "in use, 3+ owners"]
-    colors = [(0.93, 0.93, 0.93), (0.66, 0.85, 0.63), (0.62, 0.76, 0.9), (0.3, 0.55, 0.82), (0.1, 0.3, 0.6)]
+    """The pool of a `PrefixCachingAllocator`: free, cached with no owner, or in use (reference
+    count written in; hatched if cached)."""
+    states = [
+        "free",
+        "cached, no owner",
+        "in use, 1 owner",
+        "in use, 2 owners",
+        "in use, 3+ owners",
+    ]
+    colors = [
+        (0.93, 0.93, 0.93),
+        (0.66, 0.85, 0.63),
+        (0.62, 0.76, 0.9),
+        (0.3, 0.55, 0.82),
+        (0.1, 0.3, 0.6),
+    ]
     n, nrows = alloc.num_blocks, -(-alloc.num_blocks // ncols)
     ax = ax or plt.subplots(figsize=(ncols * 0.45 + 2.2, nrows * 0.45 + 0.8))[1]
     for b in range(n):
         ref = alloc.ref_counts[b]
         s = 1 if b in alloc.cached_free else 0 if ref == 0 else min(ref, 3) + 1
         x, y = b % ncols, -(b // ncols)
-        ax.add_patch(plt.Rectangle((x, y), 0.92, 0.92, fc=colors[s], ec="0.5", hatch="//" if ref and b in alloc.entries else None))
-        ax.text(x + 0.46, y + 0.46, str(ref) if ref else str(b), ha="center", va="center", fontsize=6, color="white" if s >= 3 else "0.3")
-    ax.set_xlim(-0.1, ncols); ax.set_ylim(-nrows + 0.9, 1); ax.set_aspect("equal"); ax.axis("off"); ax.set_title(title, fontsize=9)
-    ax.legend([plt.Rectangle((0, 0), 1, 1, fc=c, ec="0.5") for c in colors], states, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7, frameon=False)
+        ax.add_patch(
+            plt.Rectangle(
+                (x, y),
+                0.92,
+                0.92,
+                fc=colors[s],
+                ec="0.5",
+                hatch="//" if ref and b in alloc.entries else None,
+            )
+        )
+        ax.text(
+            x + 0.46,
+            y + 0.46,
+            str(ref) if ref else str(b),
+            ha="center",
+            va="center",
+            fontsize=6,
+            color="white" if s >= 3 else "0.3",
+        )
+    ax.set_xlim(-0.1, ncols)
+    ax.set_ylim(-nrows + 0.9, 1)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(title, fontsize=9)
+    ax.legend(
+        [plt.Rectangle((0, 0), 1, 1, fc=c, ec="0.5") for c in colors],
+        states,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1),
+        fontsize=7,
+        frameon=False,
+    )
     return ax
 
+
 def _prefix_segments(alloc) -> list[list]:
-    "Cached blocks as a radix tree: [block ids, depth, parent segment] per segment, a chain of single children being one segment."
+    """Cached blocks as a radix tree: [block ids, depth, parent segment] per segment, a chain of
+    single children being one segment."""
     uid_block = {e.uid: b for b, e in alloc.entries.items()}
     kids: dict = {}
     for b, e in sorted(alloc.entries.items(), key=lambda be: be[1].uid):
-        kids.setdefault(e.parent if e.parent in uid_block else None, []).append(b)   # an orphan (parent evicted) is a root
+        # an orphan (parent evicted) is a root
+        kids.setdefault(e.parent if e.parent in uid_block else None, []).append(b)
     segments = []
+
     def walk(b, depth, parent):
         run = [b]
-        while len(kids.get(alloc.entries[run[-1]].uid, [])) == 1: run.append(kids[alloc.entries[run[-1]].uid][0])
-        segments.append([run, depth, parent]); me = len(segments) - 1
-        for c in kids.get(alloc.entries[run[-1]].uid, []): walk(c, depth + 1, me)
-    for root in kids.get(None, []): walk(root, 0, None)
+        while len(kids.get(alloc.entries[run[-1]].uid, [])) == 1:
+            run.append(kids[alloc.entries[run[-1]].uid][0])
+        segments.append([run, depth, parent])
+        me = len(segments) - 1
+        for c in kids.get(alloc.entries[run[-1]].uid, []):
+            walk(c, depth + 1, me)
+
+    for root in kids.get(None, []):
+        walk(root, 0, None)
     return segments
 
+
 def plot_prefix_tree(alloc, tokenizer=None, ax=None, chars: int = 28):
-    "The tree of cached prefixes: one box per run of blocks, with its first and last words; blue if a request holds it, green if only cached."
+    """The tree of cached prefixes: one box per run of blocks, with its first and last words;
+    blue if a request holds it, green if only cached."""
     segs = _prefix_segments(alloc)
     ys, leaf = {}, [0]
+
     def place(i):
         children = [j for j, s in enumerate(segs) if s[2] == i]
-        for j in children: place(j)
-        if children: ys[i] = sum(ys[j] for j in children) / len(children)
-        else: ys[i] = leaf[0]; leaf[0] += 1
+        for j in children:
+            place(j)
+        if children:
+            ys[i] = sum(ys[j] for j in children) / len(children)
+        else:
+            ys[i] = leaf[0]
+            leaf[0] += 1
+
     for i, s in enumerate(segs):
-        if s[2] is None: place(i)
-    ax = ax or plt.subplots(figsize=(3.2 * (1 + max([s[1] for s in segs], default=0)), 0.55 * max(leaf[0], 2) + 0.8))[1]
+        if s[2] is None:
+            place(i)
+    ax = (
+        ax
+        or plt.subplots(
+            figsize=(3.2 * (1 + max([s[1] for s in segs], default=0)), 0.55 * max(leaf[0], 2) + 0.8)
+        )[1]
+    )
     for i, (run, depth, parent) in enumerate(segs):
         tokens = [t for b in run for t in alloc.entries[b].token_ids]
-        text = (tokenizer.decode(tokens) if tokenizer else " ".join(map(str, tokens))).replace("\n", "⏎")
+        text = (tokenizer.decode(tokens) if tokenizer else " ".join(map(str, tokens))).replace(
+            "\n", "⏎"
+        )
         text = text if len(text) <= 2 * chars else text[:chars] + "…\n…" + text[-chars:]
         used = any(alloc.ref_counts[b] for b in run)
-        ax.text(depth * 3.2, -ys[i], f"{len(run)} block{'s' * (len(run) > 1)}: {text}", fontsize=6.5, va="center",
-                bbox=dict(boxstyle="round", fc=(0.62, 0.76, 0.9) if used else (0.66, 0.85, 0.63), ec="0.5"))
-        if parent is not None: ax.plot([segs[parent][1] * 3.2 + 2.9, depth * 3.2 - 0.1], [-ys[parent], -ys[i]], color="0.5", lw=0.8)
-    ax.set_xlim(-0.2, 3.2 * (1 + max([s[1] for s in segs], default=0))); ax.set_ylim(-leaf[0], 1); ax.axis("off")
+        ax.text(
+            depth * 3.2,
+            -ys[i],
+            f"{len(run)} block{'s' * (len(run) > 1)}: {text}",
+            fontsize=6.5,
+            va="center",
+            bbox=dict(
+                boxstyle="round", fc=(0.62, 0.76, 0.9) if used else (0.66, 0.85, 0.63), ec="0.5"
+            ),
+        )
+        if parent is not None:
+            ax.plot(
+                [segs[parent][1] * 3.2 + 2.9, depth * 3.2 - 0.1],
+                [-ys[parent], -ys[i]],
+                color="0.5",
+                lw=0.8,
+            )
+    ax.set_xlim(-0.2, 3.2 * (1 + max([s[1] for s in segs], default=0)))
+    ax.set_ylim(-leaf[0], 1)
+    ax.axis("off")
     ax.set_title(f"cached prefixes: {len(alloc.entries)} blocks in {len(segs)} runs", fontsize=9)
     return ax

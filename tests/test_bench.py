@@ -1,6 +1,6 @@
 "Offline benchmark: the functions run on a tiny workload and return sane structures (no timing assertions)."
 import pytest, torch
-from mini_infer.model import ModelConfig, CausalLM, ContiguousKVCache
+from mini_infer.model import ModelConfig, CausalLM, ContiguousKVCache, ContiguousStep
 from mini_infer.bench import make_workload, to_transformers, workload_flops, weight_split, measure_machine, run_offline_bench, format_table
 
 
@@ -31,7 +31,7 @@ def test_to_transformers_matches_our_logits(arch):
     for p in ours.parameters(): torch.nn.init.normal_(p, std=0.1)
     hf = to_transformers(ours)
     ids = torch.randint(0, 256, (10,))
-    expect = ours(ids, torch.arange(10), ContiguousKVCache(cfg, 10), 0)
+    expect = ours(ContiguousStep.tokens(ids, 0, last_only=False), ContiguousKVCache(cfg, 10))
     with torch.no_grad(): got = hf(ids[None]).logits[0]
     torch.testing.assert_close(got, expect, rtol=1e-4, atol=1e-4)
 

@@ -5,16 +5,19 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from mini_infer.cpu_kernels import (cpu_kernels, pack_weight, pack_glu, linear_packed, linear_glu_packed, PackedLinear, KernelApplyRope,
-                                    KernelRMSNorm, KernelAttention, KernelMLP, with_cpu_kernels, packed_bytes, CPUAttention, CPUBackend,
-                                    paged_decode_kernel, paged_prefill_kernel, pool_zeros, native_target)
-from mini_infer.model import ApplyRope, RotaryEmbedding, ModelConfig
+from mini_infer.kernel_build import native_target
+from mini_infer.linear_kernels import linear_kernels, pack_weight, pack_glu, linear_packed, linear_glu_packed, PackedMethod
+from mini_infer.attention_kernels import CPUAttention, paged_decode_kernel, paged_prefill_kernel, pool_zeros
+from mini_infer.cpu_backend import CPUBackend, KernelOps
+from mini_infer.layers import LinearBase, ColumnLinear, GateUpLinear, LinearMethod
+from mini_infer.model import RotaryEmbedding, ModelConfig, TORCH_OPS
+from mini_infer.memory_plan import weights_bytes
 from mini_infer.loader import load_safetensors
 from mini_infer.kv_cache import PagedKVCache
 from mini_infer.teaching import random_paged_step, attention_by_row
 from test_loader import tiny_hf, our_logits
 
-pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C compiler for the CPU kernels")
+pytestmark = pytest.mark.skipif(linear_kernels() is None, reason="no C compiler for the CPU kernels")
 
 
 def attn_cfg(n_q=9, n_kv=3, d=64, layers=1):
@@ -30,9 +33,10 @@ def _fresh_process(code: str, tmp_path, **env) -> subprocess.CompletedProcess:
 
 CHECK = """
     import torch
-    from mini_infer.cpu_kernels import cpu_kernels, cpu_attention_kernels
-    from mini_infer.engine import load_backend
-    print("kernels", cpu_kernels() is not None, cpu_attention_kernels() is not None)
+    from mini_infer.linear_kernels import linear_kernels
+    from mini_infer.attention_kernels import cpu_attention_kernels
+    from mini_infer.plugins import load_backend
+    print("kernels", linear_kernels() is not None, cpu_attention_kernels() is not None)
     print("auto backend", type(load_backend("auto", "cpu", torch.float32)).__name__)
 """
 
@@ -47,7 +51,7 @@ def test_off_switch(tmp_path):
     assert r.returncode == 0 and "kernels False False" in r.stdout and "auto backend TorchBackend" in r.stdout, r.stderr
 
 def test_failed_build_shows_the_compiler_error(tmp_path):
-    from mini_infer.cpu_kernels import load_library
+    from mini_infer.kernel_build import load_library
     os.environ["MINI_INFER_CACHE"], old = str(tmp_path / "cache"), os.environ.get("MINI_INFER_CACHE")
     try:
         with pytest.warns(UserWarning, match="(?s)unavailable.*error.*not_a_type"):
@@ -67,7 +71,7 @@ def test_without_openmp_the_kernels_run_single_threaded(tmp_path):
 
 def test_the_cache_key_follows_the_cpu(tmp_path, monkeypatch):
     "A library built for one CPU is never loaded on another: the file name hashes what -march=native means here."
-    import mini_infer.cpu_kernels as ck
+    import mini_infer.kernel_build as ck
     monkeypatch.setenv("MINI_INFER_CACHE", str(tmp_path / "cache"))
     here = ck.compile_library("int f(void) { return 1; }", ["-O1", "-shared", "-fPIC"], "key")
     assert "__x86_64__" in native_target(os.environ.get("CC", "cc")) or "__aarch64__" in native_target(os.environ.get("CC", "cc"))
@@ -80,42 +84,47 @@ def test_kernel_model_matches_transformers(tmp_path, arch, heads, kv, tied):
     hf = tiny_hf(arch, heads, kv, tied)
     hf.save_pretrained(tmp_path)
     model = load_safetensors(tmp_path, "cpu", torch.float32)
-    fast = with_cpu_kernels(model)
-    L = model.config.num_hidden_layers
-    kinds = [type(m) for m in fast.modules()]
-    assert (kinds.count(PackedLinear), kinds.count(KernelAttention), kinds.count(KernelMLP), kinds.count(KernelRMSNorm)) == (2 * L + 1, L, L, 2 * L + 1)
-    assert not any(type(m).__module__.endswith("cpu_kernels") for m in model.modules())    # the model given is untouched...
-    assert all(a is b for a, b in zip(fast.parameters(), model.parameters()))              # ...and shares its parameters
-    assert (fast.lm_head.weight is fast.model.embed_tokens.weight) == tied
-    linear_bytes = 4 * sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    assert linear_bytes <= packed_bytes(fast) < 1.5 * linear_bytes    # every linear packed once, plus panel padding
     ids = torch.randint(0, 101, (23,), generator=torch.Generator().manual_seed(1))
+    plain, dense_bytes = our_logits(model, ids), weights_bytes(model)
+    CPUBackend().prepare(model, enforce_eager=True)
+    layers = model.linear_layers()
+    L = model.config.num_hidden_layers
+    assert all(isinstance(m.method, PackedMethod) for m in layers) and len(layers) == 4 * L + 1   # and the LM head
+    assert all(m.ops.__class__ is KernelOps for m in model.modules() if hasattr(m, "ops"))
+    assert dense_bytes <= weights_bytes(model) < 1.2 * dense_bytes   # packed in place: one copy, plus panel padding
     with torch.no_grad(): ref = hf(ids[None]).logits[0]
-    ours = our_logits(fast, ids)
+    ours = our_logits(model, ids)
     assert (ours - ref).abs().max().item() <= 1e-4
-    assert (ours - our_logits(model, ids)).abs().max().item() <= 1e-4
+    assert (ours - plain).abs().max().item() <= 1e-4
 
-def test_repacks_after_load_state_dict():
-    lin = nn.Linear(40, 70)   # 70 outputs: a partial last panel
-    pl = PackedLinear(lin)
-    x = torch.randn(5, 40)
-    with torch.inference_mode(): before = pl(x)
-    new = nn.Linear(40, 70).state_dict()
-    lin.load_state_dict(new)
-    with torch.inference_mode(): after = pl(x)
-    assert not torch.allclose(before, after)
-    torch.testing.assert_close(after, F.linear(x, new["weight"], new["bias"]), rtol=1e-5, atol=1e-5)
 
-def test_grad_and_other_dtypes_take_pytorch_path():
-    pl = PackedLinear(nn.Linear(16, 32))
-    x = torch.randn(3, 16, requires_grad=True)
-    pl(x).sum().backward()   # autograd works: the kernel is only used for inference
-    assert pl.weight.grad is not None
-    xb = torch.randn(3, 16, dtype=torch.bfloat16)
-    assert PackedLinear(nn.Linear(16, 32).to(torch.bfloat16))(xb).dtype == torch.bfloat16
+@pytest.mark.parametrize("layer", [lambda: ColumnLinear(40, [70, 32, 5], bias=True), lambda: GateUpLinear(48, 70),
+                                   lambda: LinearBase(40, [70], bias=False)])
+def test_packing_is_lossless_and_reversible(layer):
+    "A layer packed and unpacked again holds the same numbers; packed, it computes what the plain layer does."
+    layer = layer()
+    x = torch.randn(5, layer.in_features)
+    w, b = layer.weight.clone(), None if layer.bias is None else layer.bias.clone()
+    with torch.inference_mode(): want = layer(x)
+    layer.set_method(PackedMethod())
+    assert layer.weight.shape != w.shape
+    with torch.inference_mode(): torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    layer.set_method(LinearMethod())
+    assert torch.equal(layer.weight, w) and (b is None or torch.equal(layer.bias, b))
+
+
+def test_packed_weight_changed_in_place_is_read_as_it_is():
+    "The packed panels are the layer's weight: a change made to them in place is what the next product reads."
+    layer = LinearBase(16, [32], bias=False)
+    layer.set_method(PackedMethod())
+    x = torch.randn(3, 16)
+    with torch.inference_mode(): before = layer(x)
+    with torch.no_grad(): layer.weight.mul_(-1)
+    with torch.inference_mode(): torch.testing.assert_close(layer(x), -before)
+
 
 def test_linear_packed_rejects_bad_input():
-    nb = cpu_kernels().packed_block()
+    nb = linear_kernels().packed_block()
     W = torch.randn(64, 32)
     Wp = pack_weight(W, nb)
     with pytest.raises(ValueError): linear_packed(torch.randn(4, 31), Wp, 64)                  # wrong K
@@ -128,7 +137,7 @@ def test_linear_packed_rejects_bad_input():
 
 def test_linear_packed_several_outputs_in_one_call():
     "Up to three weights packed one after another: each result is the bits of its own single call (partial panels, one bias missing)."
-    nb = cpu_kernels().packed_block()
+    nb = linear_kernels().packed_block()
     g = torch.Generator().manual_seed(0)
     Ws = [torch.randn(n, 48, generator=g) for n in (70, 32, 5)]
     bs = [torch.randn(70, generator=g), None, torch.randn(5, generator=g)]
@@ -146,7 +155,7 @@ def test_linear_packed_several_outputs_in_one_call():
 
 
 def test_glu_kernel_matches_pytorch_and_rejects_bad_input():
-    nb = cpu_kernels().packed_block()
+    nb = linear_kernels().packed_block()
     for M, N, K in [(1, 64, 32), (13, 100, 48), (300, 96, 16)]:
         x, Wg, Wu = torch.randn(M, K), torch.randn(N, K) / 4, torch.randn(N, K) / 4
         packed = pack_glu(Wg, Wu, nb)
@@ -162,30 +171,12 @@ def test_glu_kernel_matches_pytorch_and_rejects_bad_input():
     with pytest.raises(ValueError): linear_glu_packed(x.double(), packed, N)
 
 
-def test_kernel_model_repacks_after_load_state_dict(tmp_path):
-    "The fused q/k/v and gate/up copies follow a weight change, as a PackedLinear's does."
-    hf = tiny_hf("qwen2", 4, 2, False)
-    hf.save_pretrained(tmp_path)
-    model = load_safetensors(tmp_path, "cpu", torch.float32)
-    fast = with_cpu_kernels(model)
-    ids = torch.randint(0, 101, (9,), generator=torch.Generator().manual_seed(2))
-    before = our_logits(fast, ids)
-    g = torch.Generator().manual_seed(3)
-    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
-    model.load_state_dict(new)                      # in place, into the parameters both share
-    after = our_logits(fast, ids)
-    assert (after - before).abs().max() > 1e-2
-    assert (after - our_logits(model, ids)).abs().max().item() <= 1e-4
-
-
 @pytest.mark.parametrize("M,N", [(1, 576), (300, 576), (7, 33), (2, 8), (130, 1536)])
 def test_rms_norm_kernel_matches_pytorch(M, N):
     "Widths with and without a partial vector at the end; enough rows for both threads."
-    norm = KernelRMSNorm(N, 1e-5)
-    with torch.no_grad(): norm.weight.copy_(torch.randn(N))
-    x = torch.randn(M, N) * 3
+    weight, x = torch.randn(N), torch.randn(M, N) * 3
     with torch.inference_mode():
-        torch.testing.assert_close(norm(x), F.rms_norm(x, (N,), norm.weight, 1e-5), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(KernelOps().rms_norm(x, weight, 1e-5), F.rms_norm(x, (N,), weight, 1e-5), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("T,H,D", [(1, 9, 64), (37, 4, 16), (300, 2, 128)])
@@ -194,11 +185,11 @@ def test_rope_kernel_matches_pytorch(T, H, D):
                       num_key_value_heads=H, head_dim=D, max_position_embeddings=4096)
     cos, sin = RotaryEmbedding(cfg)(torch.randint(0, 4096, (T,)))
     x = torch.randn(T, H, D)
-    with torch.inference_mode(): got = KernelApplyRope()(x, cos, sin)
-    torch.testing.assert_close(got, ApplyRope()(x, cos, sin), rtol=1e-6, atol=1e-6)   # FMA rounding only
+    with torch.inference_mode(): got = KernelOps().rope(x, cos, sin)
+    torch.testing.assert_close(got, TORCH_OPS.rope(x, cos, sin), rtol=1e-6, atol=1e-6)   # FMA rounding only
     assert not torch.equal(got, x)
     xb = x.bfloat16()   # other dtypes take PyTorch's path
-    assert torch.equal(KernelApplyRope()(xb, cos.bfloat16(), sin.bfloat16()), ApplyRope()(xb, cos.bfloat16(), sin.bfloat16()))
+    assert torch.equal(KernelOps().rope(xb, cos.bfloat16(), sin.bfloat16()), TORCH_OPS.rope(xb, cos.bfloat16(), sin.bfloat16()))
 
 
 # ---------------------------------------------------------------- paged attention in C

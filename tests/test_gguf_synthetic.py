@@ -6,7 +6,7 @@ import torch
 import gguf
 from gguf import GGMLQuantizationType as T
 from mini_infer.loader import load_model
-from mini_infer.model import ContiguousKVCache
+from mini_infer.model import ContiguousKVCache, ContiguousStep
 from mini_infer.tokenizer import _byte_alphabet
 
 transformers = pytest.importorskip("transformers")
@@ -91,7 +91,7 @@ def test_synthetic_gguf_matches_transformers(tmp_path, arch, tied):
         assert tok.decode(ids, skip_special_tokens=False) == text
     ids = tok.encode(" ".join(TEXTS))
     with torch.no_grad(): ref = hf(torch.tensor([ids])).logits[0]
-    got = ours(torch.tensor(ids), torch.arange(len(ids)), ContiguousKVCache(ours.config, len(ids)), 0)
+    got = ours(ContiguousStep.tokens(torch.tensor(ids), 0, last_only=False), ContiguousKVCache(ours.config, len(ids)))
     assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
 
 

@@ -66,4 +66,4 @@ def test_speculative_engine_on_cuda_matches_plain_up_to_near_ties():
                  dict(method="draft_model", model=draft, num_speculative_tokens=3, adaptive=False)):
         eng = LLMEngine(model, NoText(), num_blocks=64, block_size=16, speculative_config=spec)
         assert_greedy_close(plain, run_to_completion(eng, prompts, params))
-        assert eng.stats()["spec_decode_num_draft_tokens_total"] > 0 and eng.allocator.num_free == eng.allocator.num_blocks
+        assert eng.stats()["spec_decode_num_draft_tokens_total"] > 0 and eng.kv.allocator.num_free == eng.kv.allocator.num_blocks

@@ -2,7 +2,7 @@
 import json, os, time
 import pytest
 import torch
-from mini_infer.model import ContiguousKVCache
+from mini_infer.model import ContiguousKVCache, ContiguousStep
 from mini_infer.loader import (load_model, load_safetensors, resolve_model, bundled_gguf_path, gguf_cache_dir,
                                CheckpointError, ModelNotFoundError, DEFAULT_MODEL, _hub_snapshot)
 from mini_infer.tokenizer import Tokenizer
@@ -23,7 +23,7 @@ def cache_dir(tmp_path_factory):
 
 def our_logits(model, ids):
     ids = torch.as_tensor(ids)
-    return model(ids, torch.arange(len(ids)), ContiguousKVCache(model.config, len(ids), dtype=model.dtype), 0)
+    return model(ContiguousStep.tokens(ids, 0, last_only=False), ContiguousKVCache(model.config, len(ids), dtype=model.dtype))
 
 
 def tiny_hf(arch, heads, kv, tied, seed=0):
@@ -49,7 +49,7 @@ def test_safetensors_matches_transformers(tmp_path, arch, heads, kv, tied):
     hf.save_pretrained(tmp_path)
     model = load_safetensors(tmp_path, "cpu", torch.float32)
     assert model.config.attention_bias == (arch == "qwen2")
-    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    assert (model.model.embed_tokens is None) == tied   # tied: the LM head's weight is the embedding's too
     ids = torch.randint(0, 101, (23,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(): ref = hf(ids[None]).logits[0]
     assert (our_logits(model, ids) - ref).abs().max().item() <= 1e-4
@@ -98,12 +98,12 @@ def gguf_pair():
 
 def greedy(model, ids, n):
     cache = ContiguousKVCache(model.config, len(ids) + n)
-    logits = model(torch.tensor(ids), torch.arange(len(ids)), cache, 0, logits_indices=torch.tensor([len(ids) - 1]))
+    logits = model(ContiguousStep.tokens(torch.tensor(ids), 0), cache)
     out = []
     for _ in range(n):
         out.append(int(logits[-1].argmax()))
         pos = len(ids) + len(out) - 1
-        logits = model(torch.tensor(out[-1:]), torch.tensor([pos]), cache, pos)
+        logits = model(ContiguousStep.tokens(torch.tensor(out[-1:]), pos), cache)
     return out
 
 
@@ -129,7 +129,7 @@ def test_gguf_logits_close_and_cache(gguf_pair):
     cached = time.perf_counter() - t0
     print(f"GGUF load: first {first:.1f}s, cached {cached:.1f}s")
     assert cached < first
-    assert torch.equal(again.model.layers[3].self_attn.k_proj.weight, ours.model.layers[3].self_attn.k_proj.weight)
+    assert torch.equal(again.model.layers[3].self_attn.qkv_proj.weight, ours.model.layers[3].self_attn.qkv_proj.weight)
 
 
 # ---- bad input ----

@@ -7,9 +7,9 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 import pytest
 
-from mini_infer.prefix_cache import PrefixCachingAllocator, PrefixCachingScheduler, hash_block
+from mini_infer.prefix_cache import PrefixCachingAllocator, PrefixCachingKVManager, hash_block
 from mini_infer.sampling import SamplingParams
-from mini_infer.scheduler import SchedulerConfig, Sequence, SeqStatus
+from mini_infer.scheduler import RunnerOutput, Scheduler, SchedulerConfig, Sequence, SeqStatus
 
 
 class CharTok:
@@ -77,9 +77,10 @@ class CachingMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(6, 40), budget=st.integers(1, 24), chunk=st.integers(1, 16),
                 seats=st.integers(1, 6), chunked=st.booleans(), constant_hash=st.booleans())
     def setup(self, num_blocks, budget, chunk, seats, chunked, constant_hash):
-        self.alloc = PrefixCachingAllocator(num_blocks, hash_fn=(lambda *a: b"c") if constant_hash else hash_block)
+        self.kv = PrefixCachingKVManager(num_blocks, BLOCK, hash_fn=(lambda *a: b"c") if constant_hash else hash_block)
+        self.alloc = self.kv.allocator
         self.config = SchedulerConfig(max_num_batched_tokens=budget, max_prefill_chunk=chunk, max_num_seqs=seats, enable_chunked_prefill=chunked)
-        self.sched = PrefixCachingScheduler(self.config, self.alloc)
+        self.sched = Scheduler(self.config, self.kv)   # raises if requests wait, none runs and none can start
         self.pool, self.seqs, self.capacity, self.n = {}, [], num_blocks * BLOCK, 0
 
     @rule(prefix=st.sampled_from([(), (1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9), (5,) * 13]),
@@ -94,13 +95,16 @@ class CachingMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 100))
     def abort(self, i):
         seq = self.seqs.pop(i % len(self.seqs))
+        seq.finish_reason = "abort"
         self.sched.finish(seq)
 
     @precondition(lambda self: self.seqs)
     @rule()
     def step(self):
-        step = self.sched.schedule()
-        for seq, n in step.work:
+        out = self.sched.schedule()
+        wanted = []
+        for row in out.scheduled:
+            seq, n = self.sched.requests[row.request_id], len(row.token_ids)
             table, start = seq.block_table, seq.num_computed_tokens
             if not self.config.enable_chunked_prefill: assert n == seq.num_pending, "a prompt split with chunked prefill off"
             expected = [(t, seq.cache_salt, tuple(seq.token_slice(0, p))) for p, t in enumerate(seq.token_slice(0, start + n))]
@@ -110,12 +114,9 @@ class CachingMachine(RuleBasedStateMachine):
                 block = slot // BLOCK
                 assert self.alloc.ref_counts[block] == 1 and block not in self.alloc.entries, "a write into a shared or cached block"
                 self.pool[slot] = expected[p]
-            seq.num_computed_tokens += n
-        self.sched.commit(step.work)
-        for seq, n in step.work:
-            if seq.num_pending == 0:
-                seq.append(len(seq.output_ids) % 2 + 1)
-                if seq.finish_reason: self.sched.finish(seq); self.seqs.remove(seq)
+            if row.num_logits: wanted.append((row.request_id, [len(seq.output_ids) % 2 + 1]))
+        self.sched.update(out, RunnerOutput([r for r, _ in wanted], [t for _, t in wanted], [[None] for _ in wanted]))
+        self.seqs = [s for s in self.seqs if s.finish_reason is None]
 
     @invariant()
     def blocks_add_up(self):
@@ -132,15 +133,14 @@ TestCachingMachine.settings = settings(max_examples=150, stateful_step_count=60,
 
 
 def test_shared_prompts_in_one_batch_compute_the_prefix_once():
-    alloc = PrefixCachingAllocator(32)
-    sched = PrefixCachingScheduler(SchedulerConfig(max_num_batched_tokens=64), alloc)
+    kv = PrefixCachingKVManager(32, BLOCK)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), kv)
     seqs = [Sequence(str(i), list(range(1, 17)) + [20 + i], SamplingParams(max_tokens=1), CharTok(), 10**6, BLOCK) for i in range(3)]
     for s in seqs: sched.add(s)
     first = sched.schedule()
-    assert [(s.request_id, n) for s, n in first.work] == [("0", 17)]     # the others wait for its blocks
-    for s, n in first.work: s.num_computed_tokens += n
-    sched.commit(first.work)
+    assert [(r.request_id, len(r.token_ids)) for r in first.scheduled] == [("0", 17)]     # the others wait for its blocks
+    sched.update(first, RunnerOutput(["0"], [[5]], [[None]]))
     second = sched.schedule()
-    assert [(s.request_id, n) for s, n in second.work] == [("1", 1), ("2", 1)]
-    assert seqs[1].block_table.blocks[:4] == seqs[2].block_table.blocks[:4] == seqs[0].block_table.blocks[:4]
+    assert [(r.request_id, len(r.token_ids)) for r in second.scheduled] == [("1", 1), ("2", 1)]
+    assert seqs[1].block_table.blocks[:4] == seqs[2].block_table.blocks[:4] == second.scheduled[0].block_ids[:4]
     assert sched.stats()["prefix_cache_hits_total"] == 32 and seqs[1].num_cached_tokens == 16

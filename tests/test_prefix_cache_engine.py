@@ -34,8 +34,8 @@ def check_against_uncached(llm, batches, **kw):
     on, off = engine(llm, **kw), engine(llm, enable_prefix_caching=False, **kw)
     for prompts in batches:
         same_outputs(run_to_completion(on, prompts, [GREEDY] * len(prompts)), run_to_completion(off, prompts, [GREEDY] * len(prompts)))
-        on.allocator.check()
-    assert off.stats().get("prefix_cache_hits_total") is None and on.allocator.num_free == on.allocator.num_blocks
+        on.kv.allocator.check()
+    assert off.stats().get("prefix_cache_hits_total") is None and on.kv.allocator.num_free == on.kv.allocator.num_blocks
     return on
 
 
@@ -66,6 +66,32 @@ def test_hits_after_preemption_are_counted_apart(llm):
     assert s["preemptions_total"] > 0 and s["prefix_cache_preempted_hits_total"] > 0 and s["prefix_cache_hits_total"] == 0
 
 
+def test_cached_tokens_of_preempted_requests_are_those_found_at_admission(llm):
+    """A request's `num_cached_tokens` counts the prompt tokens found cached when it was admitted; a preempted request
+    that resumes on (its own) cached blocks does not count them again."""
+    rng = random.Random(13)
+    system = rand_ids(rng, 24)
+    prompts = [system + rand_ids(rng, 16) for _ in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    on, off = engine(llm, num_blocks=12, block_size=8), engine(llm, num_blocks=12, block_size=8, enable_prefix_caching=False)
+    run_to_completion(on, [system + rand_ids(rng, 3)], [params])                     # the system prompt's 3 blocks cached
+    same_outputs(run_to_completion(on, prompts, [params] * 4), run_to_completion(off, prompts, [params] * 4))
+    s, outs = on.stats(), None
+    assert s["preemptions_total"] > 0 and s["prefix_cache_preempted_hits_total"] > 0
+    outs = run_to_completion(engine(llm, num_blocks=12, block_size=8), [system + rand_ids(rng, 3)] + prompts, [params] * 5)
+    assert [o.num_cached_tokens for o in outs[1:]] == [24] * 4
+
+
+def test_a_fully_cached_prompt_is_still_scheduled(llm):
+    """A prompt of whole blocks seen before: every block but the one holding its last token is a hit, since the last
+    token must run for its logits. (Were it a hit too, nothing would be left to schedule: the scheduler would raise.)"""
+    prompt = rand_ids(random.Random(14), 64)
+    eng = engine(llm)
+    first = run_to_completion(eng, [prompt], [GREEDY], max_steps=20)[0]
+    again = run_to_completion(eng, [prompt], [GREEDY], max_steps=20)[0]
+    assert again.token_ids == first.token_ids and again.num_cached_tokens == 48
+
+
 def test_chunks_not_aligned_to_blocks(llm):
     rng = random.Random(4)
     system = rand_ids(rng, 70)
@@ -86,10 +112,10 @@ def test_a_hash_that_always_collides_changes_nothing(llm):
     system = rand_ids(rng, 50)
     batches = [[system + rand_ids(rng, k) for k in (2, 20)], [system + rand_ids(rng, 3)]]
     on, off = engine(llm), engine(llm, enable_prefix_caching=False)
-    on.allocator.hash_fn = lambda *a: b"collision"
+    on.kv.allocator.hash_fn = lambda *a: b"collision"
     for prompts in batches:
         same_outputs(run_to_completion(on, prompts, [GREEDY] * len(prompts)), run_to_completion(off, prompts, [GREEDY] * len(prompts)))
-    on.allocator.check()
+    on.kv.allocator.check()
 
 
 def test_salts_isolate_and_bad_salts_are_rejected(llm):
@@ -114,10 +140,10 @@ def test_a_pool_full_of_cached_blocks_still_admits(llm):
     eng = engine(llm, num_blocks=8)
     rng = random.Random(8)
     run_to_completion(eng, [rand_ids(rng, 60)], [GREEDY])
-    assert eng.allocator.num_cached_free >= 3
+    assert eng.kv.allocator.num_cached_free >= 3
     out = run_to_completion(eng, [rand_ids(rng, 100)], [GREEDY])[0]     # needs 7 of the 8 blocks: evicts
     assert len(out.token_ids) == 6 and eng.stats()["prefix_cache_evictions_total"] > 0
-    assert isinstance(eng.allocator, PrefixCachingAllocator)
+    assert isinstance(eng.kv.allocator, PrefixCachingAllocator)
 
 
 def test_longest_prefix_admission_keeps_outputs_and_computes_less(llm):
@@ -128,15 +154,15 @@ def test_longest_prefix_admission_keeps_outputs_and_computes_less(llm):
     for policy in ("fcfs", "longest_prefix"):
         eng = engine(llm, num_blocks=16, max_num_seqs=2, policy=policy)
         runs[policy] = (run_to_completion(eng, arrivals, [GREEDY] * len(arrivals)), eng)
-        eng.allocator.check()
+        eng.kv.allocator.check()
     same_outputs(runs["longest_prefix"][0], runs["fcfs"][0])
     hits = {p: e.stats()["prefix_cache_hits_total"] for p, (_, e) in runs.items()}
     assert hits["longest_prefix"] > hits["fcfs"]
 
 
 def test_admission_policy_is_checked():
-    from mini_infer.scheduler import SchedulerConfig
-    with pytest.raises(ValueError, match="unknown policy"): SchedulerConfig(policy="lifo")
+    from mini_infer.engine import EngineConfig
+    with pytest.raises(ValueError, match="unknown policy"): EngineConfig(policy="lifo")
 
 
 def test_longest_prefix_needs_the_cache(llm):

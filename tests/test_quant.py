@@ -10,10 +10,11 @@ from mini_infer.kv_cache import PagedKVCache
 from mini_infer.llm import LLM, run_to_completion
 from mini_infer.model import CausalLM, ModelConfig
 from mini_infer.paged_attention import TorchAttention
-from mini_infer.cpu_kernels import linear_packed, pack_weight
-from mini_infer.quant import (Int8Attention, Int8KVAttention, Int8Linear, dequantize_int8, dequantize_kv, int8_attention_kernels, int8_kernels, linear_glu_int8, linear_int8,
-                              paged_decode_int8, panel_width,
-                              quantize_int8, quantize_kv, quantize_model, unpack_panels)
+from mini_infer.layers import GateUpLinear, LinearBase, QKVLinear
+from mini_infer.linear_kernels import linear_packed, pack_weight, linear_glu_packed, pack_glu
+from mini_infer.attention_kernels import paged_decode_kernel
+from mini_infer.quant import (Int8KVAttention, Int8Method, dequantize_int8, dequantize_kv, int8_attention_kernels, int8_kernels,
+                              linear_int8, paged_decode_int8, panel_width, quantize_int8, quantize_kv, quantize_model, unpack_panels)
 from mini_infer.reference import generate
 from mini_infer.sampling import SamplingParams
 
@@ -60,6 +61,17 @@ def test_group_size_must_divide():
 needs_kernel = pytest.mark.skipif(int8_kernels() is None, reason="the int8 C kernel does not build here")
 
 
+def int8_layer(w, b=None, g=None, layer=None, use_kernels=True):
+    "A layer holding weight `w` (and bias `b`), quantized to int8 in place."
+    layer = layer or LinearBase(w.shape[1], [w.shape[0]], b is not None)
+    layer.set_weights(w, b)
+    layer.set_method(Int8Method(g, use_kernels))
+    return layer
+
+
+def dequantized(layer): return layer.method.dense(layer)[0]
+
+
 @needs_kernel
 @pytest.mark.parametrize("g", [None, 64])
 @pytest.mark.parametrize("N,K,bias", [(37, 64, True), (256, 576, False), (101, 1536, True), (50, 100, True)])
@@ -70,8 +82,8 @@ def test_kernel_equals_dequantize_then_matmul(N, K, bias, g):
     Rows are computed alike in any batch: bit-equal."""
     if g and K % g: pytest.skip("group does not divide K")
     torch.manual_seed(N + K)
-    layer = Int8Linear(torch.randn(N, K), torch.randn(N) if bias else None, g)
-    w = layer.dequantized()
+    layer = int8_layer(torch.randn(N, K), torch.randn(N) if bias else None, g)
+    w = dequantized(layer)
     packed, nb = pack_weight(w, panel_width()), panel_width()
     for M in (1, 2, 3, 4, 5, 13, 24, 25, 64, 65, 130, 300):
         x = torch.randn(M, K)
@@ -85,22 +97,34 @@ def test_kernel_equals_dequantize_then_matmul(N, K, bias, g):
 @needs_kernel
 @pytest.mark.parametrize("g", [None, 64])
 def test_glu_kernel_equals_chapter_7s(g):
-    """`linear_glu_int8` over stacked gate/up weights equals chapter 7's `linear_glu_packed` over the dequantized halves
-    bit for bit (the direct path up to 4 rows, the dequantized copy with chapter 7's wide tile beyond), and PyTorch's
-    silu(g) * u within float rounding."""
-    from mini_infer.cpu_kernels import linear_glu_packed, pack_glu
+    """An int8 gate/up layer's SwiGLU in one kernel pass equals chapter 7's `linear_glu_packed` over the dequantized
+    halves bit for bit (the direct path up to 4 rows, the dequantized copy with chapter 7's wide tile beyond), and
+    PyTorch's silu(g) * u within float rounding."""
     N, K = 3 * panel_width(), 128
     torch.manual_seed(5)
-    layer = Int8Linear(torch.randn(2 * N, K) / 8, None, g)
-    wg, wu = layer.dequantized().chunk(2)
+    layer = int8_layer(torch.randn(2 * N, K) / 8, None, g, GateUpLinear(K, N))
+    wg, wu = dequantized(layer).chunk(2)
     packed = pack_glu(wg, wu, panel_width())
-    for M in (1, 2, 3, 4, 5, 7, 13, 40):
-        x = torch.randn(M, K)
-        y = linear_glu_int8(x, layer)
-        assert torch.equal(y, linear_glu_packed(x, packed, N))
-        torch.testing.assert_close(y, torch.nn.functional.silu(x @ wg.T) * (x @ wu.T), atol=1e-5, rtol=1e-4)
-        assert torch.equal(y[-1:], linear_glu_int8(x[-1:], layer))
-    with pytest.raises(ValueError, match="whole panels"): linear_glu_int8(torch.randn(1, K), Int8Linear(torch.randn(2 * N + 2, K)))
+    with torch.inference_mode():
+        for M in (1, 2, 3, 4, 5, 7, 13, 40):
+            x = torch.randn(M, K)
+            y = layer(x)
+            assert torch.equal(y, linear_glu_packed(x, packed, N))
+            torch.testing.assert_close(y, torch.nn.functional.silu(x @ wg.T) * (x @ wu.T), atol=1e-5, rtol=1e-4)
+            assert torch.equal(y[-1:], layer(x[-1:]))
+
+
+@pytest.mark.parametrize("N", [3 * 32, 3 * 32 + 2])
+def test_plain_pytorch_int8_glu_is_silu_gate_times_up(N):
+    "Without the kernel (other devices, or gate halves that are not whole panels), PyTorch over the dequantized weights."
+    K = 64
+    torch.manual_seed(6)
+    layer = int8_layer(torch.randn(2 * N, K) / 8, None, 64, GateUpLinear(K, N), use_kernels=False)
+    wg, wu = dequantized(layer).chunk(2)
+    x = torch.randn(5, K)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), torch.nn.functional.silu(x @ wg.T) * (x @ wu.T), atol=1e-5, rtol=1e-5)
+    assert isinstance(layer.method, Int8Method) and layer.weight.dtype == torch.int8
 
 
 @needs_kernel
@@ -109,32 +133,33 @@ def test_qkv_come_out_of_one_kernel_call_as_tensors_of_their_own(M):
     "Stacked q/k/v weights, q and k whole panels: one call writes three contiguous tensors, the same bits as the stacked product split."
     nb = panel_width()
     torch.manual_seed(M)
-    cfg = ModelConfig(vocab_size=8, hidden_size=3 * nb, intermediate_size=8, num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=1,
-                      attention_bias=True, architecture="Qwen2ForCausalLM")
-    attn = Int8Attention(CausalLM(cfg).model.layers[0].self_attn, 32)
-    assert attn.whole_panels
+    layer = QKVLinear(3 * nb, nb // 1, 3, 1, bias=True)
+    int8_layer(layer.weight.data.clone(), layer.bias.data.clone(), 32, layer)
     x = torch.randn(M, 3 * nb)
-    q, k, v = attn.qkv(x)
-    assert all(t.is_contiguous() for t in (q, k, v)) and [t.shape[-1] for t in (q, k, v)] == [3 * nb, nb, nb]
-    assert torch.equal(torch.cat([q, k, v], -1), attn.qkv_proj(x))
+    with torch.inference_mode():
+        q, k, v = layer.split(x)
+        assert all(t.is_contiguous() for t in (q, k, v)) and [t.shape[-1] for t in (q, k, v)] == [3 * nb, nb, nb]
+        assert torch.equal(torch.cat([q, k, v], -1), layer.method.apply(layer, x))
 
 
 def test_panels_round_trip():
-    "`Int8Linear` keeps q and the scales in chapter 7's panel order; `dequantized()` gives back the [N, K] weight."
+    "An int8 layer keeps q and the scales in chapter 7's panel order; `dense` gives back the [N, K] weight."
     w = torch.randn(45, 128)
-    layer = Int8Linear(w, None, 64)
+    layer = int8_layer(w, None, 64)
     q, s = quantize_int8(w, 64)
-    assert layer.qweight.shape == (-(-45 // panel_width()), 128, panel_width()) and layer.scale.shape[1] == 2
-    assert torch.equal(unpack_panels(layer.qweight, 45), q) and torch.equal(layer.dequantized(), dequantize_int8(q, s))
+    assert layer.weight.shape == (-(-45 // panel_width()), 128, panel_width()) and layer.scale.shape[1] == 2
+    assert torch.equal(unpack_panels(layer.weight, 45), q) and torch.equal(dequantized(layer), dequantize_int8(q, s))
 
 
-def test_quantized_model_shares_the_tied_table_and_leaves_the_original():
+def test_quantized_model_shares_the_tied_table_in_place():
+    "quantize_model replaces the float weights by int8 ones: the tied table is the LM head's, looked up dequantized."
     model = tiny_model(tied=True)
-    q = quantize_model(model)
-    assert q.model.embed_tokens.table is q.lm_head and type(model.lm_head) is torch.nn.Linear
-    assert q.dtype == torch.float32 and q.device.type == "cpu"
+    quantize_model(model)
+    assert model.model.embed_tokens is None and isinstance(model.lm_head.method, Int8Method)
+    assert all(m.weight.dtype == torch.int8 for m in model.linear_layers())
+    assert model.dtype == torch.float32 and model.device.type == "cpu"
     ids = torch.tensor([3, 150, 7])
-    torch.testing.assert_close(q.model.embed_tokens(ids), q.lm_head.dequantized()[ids])
+    torch.testing.assert_close(model.embed(ids), dequantized(model.lm_head)[ids])
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
@@ -166,7 +191,7 @@ def test_int8_smollm_batched_equals_alone():
 def test_int8_kv_attention_equals_float_attention_over_dequantized(inner):
     """Attention through an int8 pool equals chapter 2's float attention over a pool holding the dequantized values,
     for a step mixing decode rows and prompt chunks (one starting its sequence, one continuing)."""
-    from mini_infer.engine import load_backend
+    from mini_infer.plugins import load_backend
     try: backend = load_backend(inner, "cpu", torch.float32)
     except ValueError: pytest.skip(f"the {inner} backend does not run here")
     cfg, B = TINY, 4
@@ -176,7 +201,7 @@ def test_int8_kv_attention_equals_float_attention_over_dequantized(inner):
     rows = []   # (new tokens, start): two decodes with context, a chunk continuing a sequence, a chunk starting one
     for n, start in ((1, 9), (1, 14), (6, 5), (7, 0)):
         t = BlockTable(B); t.append(start + n, alloc); tables.append(t)
-        rows.append(([0] * n, start, t, 1))
+        rows.append(([0] * n, start, t.blocks, 1))
     # fill the earlier positions of each sequence through a first step
     first = [([0] * s, 0, t, 1) for (_, s, t, _) in rows if s]
     step0 = q8.make_step(first)
@@ -237,7 +262,6 @@ def test_int8_store_and_decode_kernels_equal_the_pytorch_path(D):
     """`store_kv_int8` writes what `quantize_kv` computes, bit for bit (zero rows and exact halves included), and
     `paged_decode_int8` over the int8 pools gives chapter 7's float32 decode kernel over the dequantized pools: bit for
     bit when head_dim is whole vectors (64, 128), within float32 rounding otherwise."""
-    from mini_infer.cpu_kernels import paged_decode_kernel
     g = torch.Generator().manual_seed(D)
     blocks, B, Hq, Hkv, T = 12, 4, 6, 2, 20
     k, v = (torch.randn(T, Hkv, D, generator=g) * 3 for _ in range(2))

@@ -5,8 +5,22 @@ from collections import Counter
 import pytest
 import torch
 
-from mini_infer.sampling import (Sampler, SamplingParams, TokenLogprob, apply_penalties, min_p_mask, top_k_mask,
-                                 top_p_mask)
+from mini_infer.sampling import (Sampler, SamplingBatch, SamplingParams, TokenHistory, TokenLogprob, apply_penalties,
+                                 min_p_mask, top_k_mask, top_p_mask)
+
+
+def histories(hist, V):
+    "`TokenHistory`s of (prompt ids, output ids) pairs."
+    if hist is None: return None
+    out = []
+    for prompt, output in hist:
+        h = TokenHistory(prompt, V); h.add(output); out.append(h)
+    return out
+
+
+def draw(sampler, logits, params, gens, hist=None):
+    "`sampler.sample` over a `SamplingBatch` built from lists, as the runner builds it from its requests."
+    return sampler.sample(logits, SamplingBatch(params, gens, histories(hist, logits.shape[-1])))
 
 
 # ---- hand-written references: one row at a time, plain Python ----
@@ -96,7 +110,7 @@ def test_sampled_tokens_stay_inside_masks(logits):
     masked = [x if i in topk else -math.inf for i, x in enumerate(r3)]
     allowed.append(topk & ref_top_p(masked, 0.6) & ref_min_p(r3, 0.05))
     for _ in range(200):
-        tok, _ = sampler.sample(rows, params, [None] * 4)
+        tok, _ = draw(sampler, rows, params, [None] * 4)
         for i, t in enumerate(tok.tolist()): assert t in allowed[i]
 
 
@@ -107,7 +121,7 @@ def test_penalties_exact(logits):
               SamplingParams(repetition_penalty=0.8, presence_penalty=-1.0, frequency_penalty=-0.5),
               SamplingParams(repetition_penalty=2.0, presence_penalty=1.5, frequency_penalty=2.0),
               SamplingParams()]                                   # no penalty: untouched whatever its history
-    out = apply_penalties(logits[:5], params, hist)
+    out = apply_penalties(logits[:5], SamplingBatch(params, [None] * 5, histories(hist, logits.shape[-1])).penalties)
     for i, (p, (pr, o)) in enumerate(zip(params, hist)):
         ref = ref_penalties(logits[i].tolist(), pr, o, p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
         torch.testing.assert_close(out[i], torch.tensor(ref), rtol=1e-6, atol=1e-6)
@@ -116,22 +130,22 @@ def test_penalties_exact(logits):
 
 def test_penalised_greedy_avoids_repeats():
     row = torch.tensor([[5.0, 4.9, 1.0, -2.0]])
-    tok, _ = Sampler().sample(row, [SamplingParams(temperature=0, repetition_penalty=1.5)], [None], [([], [0])])
+    tok, _ = draw(Sampler(), row, [SamplingParams(temperature=0, repetition_penalty=1.5)], [None], [([], [0])])
     assert tok.item() == 1
-    tok, _ = Sampler().sample(row, [SamplingParams(temperature=0, frequency_penalty=0.06)], [None], [([], [0, 0])])
+    tok, _ = draw(Sampler(), row, [SamplingParams(temperature=0, frequency_penalty=0.06)], [None], [([], [0, 0])])
     assert tok.item() == 1
     with pytest.raises(ValueError, match="histories"):
-        Sampler().sample(row, [SamplingParams(presence_penalty=1.0)], [None])
+        draw(Sampler(), row, [SamplingParams(presence_penalty=1.0)], [None])
 
 
 # ---- greedy, seeds, statistics ----
 def test_greedy_is_argmax(logits):
     s = Sampler()
-    tok, lps = s.sample(logits, [SamplingParams(temperature=0)] * 6, [None] * 6)
+    tok, lps = draw(s, logits, [SamplingParams(temperature=0)] * 6, [None] * 6)
     assert torch.equal(tok, logits.argmax(-1)) and lps == [None] * 6
     # greedy rows mixed with sampled rows (general path) are still argmax
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0)] * 3
-    tok, _ = s.sample(logits, params, [None] * 6)
+    tok, _ = draw(s, logits, params, [None] * 6)
     assert torch.equal(tok[::2], logits[::2].argmax(-1))
 
 
@@ -141,7 +155,7 @@ def _seeded_run(batch, row, seed, steps=8, others=None):
     params = list(others or [SamplingParams(top_p=0.9, temperature=1.3)] * len(batch))
     params[row] = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, seed=seed)
     gens = [None] * len(batch); gens[row] = g
-    return [s.sample(batch, params, gens)[0][row].item() for _ in range(steps)]
+    return [draw(s, batch, params, gens)[0][row].item() for _ in range(steps)]
 
 
 def test_seeded_reproducible_and_batch_independent(logits):
@@ -164,13 +178,13 @@ def test_every_seeded_row_draws_from_its_own_generator(logits):
     def run(batch, rows):   # params[j] at row rows[j], with a fresh generator of its seed; the other rows unseeded
         ps, gens = [SamplingParams(temperature=1.2)] * len(batch), [None] * len(batch)
         for r, p in zip(rows, params): ps[r], gens[r] = p, torch.Generator().manual_seed(p.seed)
-        draws = [s.sample(batch, ps, gens)[0].tolist() for _ in range(steps)]
+        draws = [draw(s, batch, ps, gens)[0].tolist() for _ in range(steps)]
         return [[d[r] for d in draws] for r in rows]
 
     alone = []
     for i, p in enumerate(params):
         g = torch.Generator().manual_seed(p.seed)
-        alone.append([s.sample(logits[i:i + 1], [p], [g])[0].item() for _ in range(steps)])
+        alone.append([draw(s, logits[i:i + 1], [p], [g])[0].item() for _ in range(steps)])
     assert len({tuple(a) for a in alone}) == 3
     assert run(logits[:3], [0, 1, 2]) == alone
     assert run(torch.cat([logits[5:6], logits[2:3], logits[4:5], logits[0:1], logits[1:2]]), [3, 4, 1]) == alone
@@ -180,7 +194,7 @@ def test_temperature_one_matches_softmax():
     probs = torch.tensor([0.3, 0.2, 0.15, 0.12, 0.1, 0.08, 0.05])
     N = 30_000
     torch.manual_seed(0)
-    tok, _ = Sampler().sample(probs.log().expand(N, -1) + 3.0, [SamplingParams()] * N, [None] * N)
+    tok, _ = draw(Sampler(), probs.log().expand(N, -1) + 3.0, [SamplingParams()] * N, [None] * N)
     counts = torch.bincount(tok, minlength=7).double()
     expected = probs.double() * N
     chi2 = ((counts - expected) ** 2 / expected).sum().item()
@@ -194,7 +208,7 @@ def test_seeded_draws_match_softmax():
     g = torch.Generator().manual_seed(3)
     s = Sampler()
     N = 3000
-    toks = [s.sample(logits, [p], [g])[0].item() for _ in range(N)]
+    toks = [draw(s, logits, [p], [g])[0].item() for _ in range(N)]
     counts = torch.bincount(torch.tensor(toks), minlength=6).double()
     assert counts[4:].sum() == 0
     expected = logits[0, :4].double().softmax(-1) * N
@@ -207,7 +221,7 @@ def test_logprobs_from_raw_logits(logits):
     params = [SamplingParams(logprobs=5, temperature=0.5, repetition_penalty=1.5), SamplingParams(logprobs=0),
               SamplingParams(), SamplingParams(temperature=0, logprobs=2)]
     hist = [([0, 1, 2], [3])] + [([], [])] * 3
-    tok, lps = Sampler().sample(logits[:4], params, [None] * 4, hist)
+    tok, lps = draw(Sampler(), logits[:4], params, [None] * 4, hist)
     raw = logits[:4].log_softmax(-1)
     assert lps[2] is None and all(isinstance(x, TokenLogprob) for i, x in enumerate(lps) if i != 2)
     for i in (0, 1, 3):

@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from mini_infer.block_manager import BlockAllocator
 from mini_infer.sampling import SamplingParams
-from mini_infer.scheduler import Scheduler, SchedulerConfig, Sequence, SeqStatus
+from mini_infer.scheduler import KVManager, RunnerOutput, Scheduler, SchedulerConfig, Sequence, SeqStatus
 
 
 class CharTok:
@@ -14,42 +14,46 @@ class CharTok:
     def decode(self, ids, skip_special_tokens=True): return "".join(map(chr, ids))
 
 
+def fake_runner(out) -> RunnerOutput:
+    "A model that always emits token 48 ('0'), for every row that wants logits (guesses all rejected)."
+    rows = [r for r in out.scheduled if r.num_logits]
+    return RunnerOutput([r.request_id for r in rows], [[48] for _ in rows], [[None] for _ in rows])
+
+
 def run(prompt_lens, out_lens, num_blocks, block_size=4, max_steps=10_000, **cfg):
-    "Drive the scheduler with a fake model (every finished row emits token 0); check each step; return the steps' work."
-    alloc = BlockAllocator(num_blocks)
+    "Drive the scheduler with a fake runner; check each step's plan; return the steps' work."
+    kv = KVManager(num_blocks, block_size)
     config = SchedulerConfig(**cfg)
-    sched = Scheduler(config, alloc)
-    seqs = [Sequence(str(i), [1] * n, SamplingParams(max_tokens=m), CharTok(), 10**6, block_size) for i, (n, m) in enumerate(zip(prompt_lens, out_lens))]
+    sched = Scheduler(config, kv)
+    seqs = [Sequence(str(i), [1] * n, SamplingParams(max_tokens=m), CharTok(), 10**6, block_size)
+            for i, (n, m) in enumerate(zip(prompt_lens, out_lens))]
     for s in seqs: sched.add(s)
     steps = []
     while sched.has_unfinished():
         assert len(steps) < max_steps, "no progress"
-        step = sched.schedule()
-        work = [(s.request_id, n, s.is_decoding) for s, n in step.work]
-        steps.append((work, [s.request_id for s in step.preempted]))
-        check_step(step, config, alloc, sched, block_size)
-        for seq, n in step.work:
-            seq.num_computed_tokens += n
-            if seq.num_pending == 0:
-                seq.append(48)
-                if seq.finish_reason: sched.finish(seq)
-    assert alloc.num_free == num_blocks and all(len(s.output_ids) == s.params.max_tokens for s in seqs)
+        out = sched.schedule()
+        work = [(sched.requests[r.request_id], len(r.token_ids)) for r in out.scheduled]
+        preempted = [sched.requests[rid] for rid in out.preempted_ids]
+        steps.append(([(s.request_id, n, s.is_decoding) for s, n in work], out.preempted_ids))
+        check_step(work, preempted, config, kv.allocator, sched, block_size)
+        sched.update(out, fake_runner(out))
+    assert kv.allocator.num_free == num_blocks and all(len(s.output_ids) == s.params.max_tokens for s in seqs)
     return steps
 
 
-def check_step(step, config, alloc, sched, block_size):
-    tokens = sum(n for _, n in step.work)
-    decoding = [s.is_decoding for s, _ in step.work]
+def check_step(work, preempted, config, alloc, sched, block_size):
+    tokens = sum(n for _, n in work)
+    decoding = [s.is_decoding for s, _ in work]
     assert decoding == sorted(decoding, reverse=True), "decodes come first"
-    assert all(n == 1 for (s, n), d in zip(step.work, decoding) if d)
-    assert len({s.request_id for s, _ in step.work}) == len(step.work) <= config.max_num_seqs
-    if config.enable_chunked_prefill or len(step.work) > 1: assert tokens <= config.max_num_batched_tokens
-    if config.enable_chunked_prefill: assert all(n <= config.max_prefill_chunk for s, n in step.work)
-    else: assert all(s.num_computed_tokens == 0 and n == s.num_pending or d for (s, n), d in zip(step.work, decoding))
-    for s, n in step.work:   # every scheduled token has a slot in the sequence's blocks
+    assert all(n == 1 for (s, n), d in zip(work, decoding) if d)
+    assert len({s.request_id for s, _ in work}) == len(work) <= config.max_num_seqs
+    if config.enable_chunked_prefill or len(work) > 1: assert tokens <= config.max_num_batched_tokens
+    if config.enable_chunked_prefill: assert all(n <= config.max_prefill_chunk for s, n in work)
+    else: assert all(s.num_computed_tokens == 0 and n == s.num_pending or d for (s, n), d in zip(work, decoding))
+    for s, n in work:   # every scheduled token has a slot in the sequence's blocks
         assert s.status is SeqStatus.RUNNING and s.block_table.num_tokens == s.num_computed_tokens + n
         assert len(s.block_table.blocks) == -(-(s.num_computed_tokens + n) // block_size)
-    for s in step.preempted:
+    for s in preempted:
         assert s.status is SeqStatus.PREEMPTED and s.num_computed_tokens == 0 and s.block_table.blocks == [] and s in sched.waiting
     held = sum(len(s.block_table.blocks) for s in sched.running)
     assert held == alloc.num_used <= alloc.num_blocks
@@ -97,23 +101,37 @@ def test_random_workloads_finish_within_the_rules(reqs, budget, chunk, seats, ch
 
 def test_proposed_tokens_are_scheduled_with_the_decode_within_the_budget():
     "A decoding sequence with k proposed tokens runs 1 + k tokens in one step; the budget trims the proposals, never the decode."
-    alloc = BlockAllocator(32)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=4), alloc)
+    kv = KVManager(32, 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=4), kv)
     a, b = (Sequence(x, [1, 2, 3], SamplingParams(max_tokens=9), CharTok(), 10**6, 4) for x in "ab")
     for s in (a, b): sched.add(s)
-    for seq, n in sched.schedule().work: seq.num_computed_tokens += n      # a's prompt (3) and one token of b's
-    a.append(50); a.spec_token_ids = [51, 52, 53, 54]
-    work = sched.schedule().work
-    assert [(s.request_id, n) for s, n in work] == [("a", 4)] and a.spec_token_ids == [51, 52, 53]   # 1 + 3 fill the budget of 4
-    assert a.token_slice(3, 4) == [50, 51, 52, 53] and a.block_table.num_tokens == 7
+    out = sched.schedule()                                            # a's prompt (3) and one token of b's
+    sched.update(out, fake_runner(out))
+    a.spec_token_ids = [51, 52, 53, 54]
+    out = sched.schedule()
+    assert [(r.request_id, len(r.token_ids)) for r in out.scheduled] == [("a", 4)] and a.spec_token_ids == [51, 52, 53]
+    assert out.scheduled[0].token_ids == [48, 51, 52, 53] and out.scheduled[0].guesses == [51, 52, 53]
+    assert out.scheduled[0].num_logits == 4 and a.block_table.num_tokens == 7
+    sched.update(out, RunnerOutput(["a"], [[51, 60]], [[None, None]]))   # one guess kept, then a new token
+    assert a.output_ids == [48, 51, 60] and a.num_computed_tokens == 5 and a.block_table.num_tokens == 5
 
 
 def test_truncate_rolls_back_computed_tokens_and_blocks():
-    alloc = BlockAllocator(8)
+    kv = KVManager(8, 4)
     s = Sequence("a", list(range(10)), SamplingParams(max_tokens=4), CharTok(), 10**6, 4)
-    assert s.block_table.append(10, alloc)
+    assert kv.allocate_slots(s, 10) == 10
     s.num_computed_tokens = 10
-    s.truncate(5, alloc)
-    assert (s.num_computed_tokens, s.block_table.num_tokens, len(s.block_table.blocks), alloc.num_used) == (5, 5, 2, 2)
-    s.truncate(0, alloc)
-    assert (s.num_computed_tokens, s.block_table.blocks, alloc.num_used) == (0, [], 0)
+    s.truncate(5, kv)
+    assert (s.num_computed_tokens, s.block_table.num_tokens, len(s.block_table.blocks), kv.allocator.num_used) == (5, 5, 2, 2)
+    s.truncate(0, kv)
+    assert (s.num_computed_tokens, s.block_table.blocks, kv.allocator.num_used) == (0, [], 0)
+
+
+def test_a_plan_that_can_start_nothing_raises_instead_of_looping():
+    "The progress check: requests wait, nothing runs, and the KV manager will not let any start (a planted bug)."
+    class Stuck(KVManager):
+        def allocate_slots(self, seq, num_tokens, num_lookahead=0): return 0
+    sched = Scheduler(SchedulerConfig(), Stuck(8, 4))
+    sched.add(Sequence("a", [1, 2, 3], SamplingParams(max_tokens=2), CharTok(), 10**6, 4))
+    import pytest
+    with pytest.raises(RuntimeError, match="cannot start"): sched.schedule()

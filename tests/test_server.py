@@ -403,3 +403,16 @@ def test_salts_isolate_tenants(client):
     assert a1 == b1 == 0 and a2 == b2 > 0          # each tenant hits only its own blocks
     plain = client.completions.create(model=MODEL, prompt="Tenant secret: " + SYSTEM, max_tokens=2)
     assert plain.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_cached_tokens_with_n_choices(client):
+    "n = 2 over a cached prefix: the prompt is counted once, with the tokens every choice found cached (each found the same)."
+    prompt = "A question of its own about " + SYSTEM
+    once = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert once.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    both = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, n=2, temperature=0.8, seed=1)
+    full_blocks = (once.usage.prompt_tokens - 1) // 16 * 16
+    assert again.usage.prompt_tokens_details.cached_tokens == full_blocks > 0
+    assert both.usage.prompt_tokens == once.usage.prompt_tokens and len(both.choices) == 2
+    assert both.usage.prompt_tokens_details.cached_tokens == full_blocks

@@ -2,6 +2,7 @@
 chi-square tests), and the engine with guesses emits exactly the tokens of plain greedy decoding, batched and alone, with
 chunked prefill, preemption and prefix caching; logprobs are the target's; bad configurations fail at start-up."""
 import random
+from collections import Counter
 import pytest, torch
 from mini_infer.engine import LLMEngine
 from mini_infer.llm import LLM, run_to_completion
@@ -150,7 +151,7 @@ def test_ngram_greedy_equals_plain(llm, workload, alone, kw):
     assert [o.token_ids for o in outs] == alone
     st = eng.stats()
     assert st["spec_decode_num_draft_tokens_total"] > 0 and 0 < st["spec_decode_num_accepted_tokens_total"] < st["spec_decode_num_draft_tokens_total"]
-    assert eng.allocator.num_free == eng.allocator.num_blocks
+    assert eng.kv.allocator.num_free == eng.kv.allocator.num_blocks
     if "num_blocks" in kw: assert st["preemptions_total"] > 0
 
 
@@ -170,31 +171,32 @@ def test_draft_model_greedy_equals_plain(llm, workload, alone, tiny_draft, draft
     eng = engine(llm, speculative_config=dict(method="draft_model", model=model, num_speculative_tokens=3, adaptive=False), **kw)
     outs = run_to_completion(eng, *workload)
     assert [o.token_ids for o in outs] == alone
-    st, draft_pool = eng.stats(), eng.speculator.proposer.allocator
+    st, draft_pool = eng.stats(), eng.scheduler.proposer.proposer.allocator
     if draft == "same": assert st["spec_decode_draft_acceptance_rate"] == 1.0   # the target guessing for itself is always right
     assert st["spec_decode_num_draft_tokens_total"] > 0
-    assert draft_pool.num_free == draft_pool.num_blocks and not eng.speculator.proposer.state   # freed with the target's
+    assert draft_pool.num_free == draft_pool.num_blocks and not eng.scheduler.proposer.proposer.state   # freed with the target's
 
 
 def test_guesses_never_enter_the_prefix_cache(llm, workload):
     "Right after each forward (guesses computed, not yet verified) the cache has registered only blocks of final tokens."
     eng = engine(llm, speculative_config=NGRAM)
-    commit, seen = eng.scheduler.commit, []
-    def checked_commit(work):
-        commit(work)
-        for seq, _ in work:
-            assert seq.num_cached_blocks * seq.block_table.block_size <= seq.num_tokens
-            seen.append(bool(seq.spec_token_ids) and seq.num_computed_tokens > seq.num_tokens)
-    eng.scheduler.commit = checked_commit
+    cache_blocks, seen = eng.kv.cache_blocks, []
+    def checked(seq):
+        cache_blocks(seq)
+        assert eng.kv.num_cached_blocks[seq] * seq.block_table.block_size <= seq.num_tokens
+        seen.append(bool(seq.spec_token_ids) and seq.num_computed_tokens > seq.num_tokens)
+    eng.kv.cache_blocks = checked
     run_to_completion(eng, *workload)
     assert any(seen) and eng.stats()["prefix_cache_queries_total"] > 0    # guesses were in the cache's pool, unregistered
 
 
 def test_scripted_proposer_in_engine(llm, workload, alone):
-    "A proposer that knows the answer and is right for exactly j tokens (j cycling 0..k): the counts of kept guesses follow."
+    """A proposer that knows the answer and is right for exactly j tokens (j cycling 0..k): how often each number of
+    kept guesses occurs is what it scripted; after each verification the sequence decodes on at once, with the next
+    guesses (none recomputed: each request runs its uncached prompt + output - 1 tokens, plus one per rejected guess)."""
     prompts, params = workload
     truth = {tuple(p): a for p, a in zip(prompts, alone)}
-    k = 4
+    k, log = 4, []
     class Scripted:
         def __init__(self): self.j = 0
         def propose(self, seqs, ks):
@@ -202,14 +204,39 @@ def test_scripted_proposer_in_engine(llm, workload, alone):
             for s, kk in zip(seqs, ks):
                 right = truth[tuple(s.prompt_ids)][len(s.output_ids):len(s.output_ids) + kk]
                 j, self.j = self.j % (kk + 1), self.j + 1
+                log.append((s.request_id, kk, j))
                 out.append((right[:j] + [(t + 1) % 49152 for t in right[j:]], None))
             return out
         def free(self, seq): pass
-    eng = engine(llm, speculative_config=dict(NGRAM, num_speculative_tokens=k))
-    eng.speculator.proposer = Scripted()
+    eng = engine(llm, speculative_config=dict(NGRAM, num_speculative_tokens=k), trace=True)
+    eng.scheduler.proposer.proposer = Scripted()
     outs = run_to_completion(eng, prompts, params)
     assert [o.token_ids for o in outs] == alone
-    assert set(eng.speculator.accepted_lengths) == set(range(k + 1))
+    assert eng.scheduler.proposer.accepted_lengths == Counter(j for _, _, j in log)   # a verifier that rejects fails here
+    rids = {o.request_id: o for o in outs}
+    for rid, o in rids.items():
+        decodes = [n for step in eng.trace for r, n, d in step.work if r == rid and d]
+        guesses = [kk for r, kk, _ in log if r == rid]
+        assert decodes == [1 + kk for kk in guesses] + [1] * (len(decodes) - len(guesses))  # guesses whenever proposed
+        assert all(n == 1 for n in decodes[len(guesses):])
+        rejected = sum(kk - j for r, kk, j in log if r == rid)
+        ran = sum(n for step in eng.trace for r, n, _ in step.work if r == rid)
+        assert ran == len(o.prompt_token_ids) - o.num_cached_tokens + len(o.token_ids) - 1 + rejected
+
+
+def test_draft_blocks_are_freed_at_preemption(llm, workload):
+    "A preempted sequence's draft blocks go back at once, not when it finishes: the draft holds blocks only for running ones."
+    eng = engine(llm, num_blocks=14, block_size=8, max_prefill_chunk=32,
+                 speculative_config=dict(method="draft_model", model=(llm.model, llm.tokenizer), num_speculative_tokens=3))
+    draft, preempted = eng.scheduler.proposer.proposer, 0
+    for p, sp in zip(*workload): eng.add_request(p, sp)
+    while eng.has_unfinished():
+        eng.step()
+        running = set(eng.scheduler.running)
+        preempted += sum(s.num_preemptions > 0 for s in eng.scheduler.waiting)
+        assert set(draft.state) <= running
+        assert draft.allocator.num_used == sum(len(st["table"].blocks) for st in draft.state.values())
+    assert eng.stats()["preemptions_total"] > 0 and preempted > 0
 
 
 def test_logprobs_and_penalties_are_the_targets(llm, workload):
@@ -272,11 +299,11 @@ def test_abort_frees_draft_blocks(llm, workload):
     eng = engine(llm, speculative_config=dict(method="draft_model", model=(llm.model, llm.tokenizer), num_speculative_tokens=3, adaptive=False))
     rids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=50)) for p in prompts[:3]]
     for _ in range(4): eng.step()
-    pool = eng.speculator.proposer.allocator
+    pool = eng.scheduler.proposer.proposer.allocator
     assert pool.num_used > 0
     for r in rids: eng.abort(r)
     eng.step()
-    assert pool.num_free == pool.num_blocks and eng.allocator.num_free == eng.allocator.num_blocks
+    assert pool.num_free == pool.num_blocks and eng.kv.allocator.num_free == eng.kv.allocator.num_blocks
 
 
 @pytest.mark.parametrize("cfg, msg", [

@@ -3,22 +3,25 @@ with `enforce_eager=True`, every step in Python: the same tokens and the same lo
 import dataclasses, warnings
 import pytest, torch
 
-from mini_infer.cpu_kernels import (GRAPH_MAX_TOKENS, GraphDecoder, KernelRMSNorm, StepGraph, _recording, add, call_runner, cpu_kernels,
-                                    linear_packed, pack_weight)
+from mini_infer.kernel_build import recording
+from mini_infer.linear_kernels import linear_kernels, linear_packed, pack_weight
+from mini_infer.step_graphs import GRAPH_MAX_TOKENS, StepGraph, StepGraphs, call_runner
+from mini_infer.cpu_backend import KernelOps
 from mini_infer.engine import LLMEngine
 from mini_infer.llm import run_to_completion
 from mini_infer.model import CausalLM, ModelConfig
 from mini_infer.sampling import SamplingParams
 from test_quant import NoText, TINY, tiny_model
 
-pytestmark = pytest.mark.skipif(cpu_kernels() is None or call_runner() is None, reason="no C compiler for the CPU kernels")
+pytestmark = pytest.mark.skipif(linear_kernels() is None or call_runner() is None, reason="no C compiler for the CPU kernels")
+ops = KernelOps()
 
 
 def test_a_replay_computes_on_the_new_values():
     torch.manual_seed(0)
     a, b, w = torch.randn(5, 64), torch.randn(5, 64), torch.randn(40, 64)
-    packed, norm = pack_weight(w, cpu_kernels().packed_block()), KernelRMSNorm(64)
-    def f(a, b): return linear_packed(norm(add(a, b)), packed, 40)
+    packed, gain = pack_weight(w, linear_kernels().packed_block()), torch.rand(64)
+    def f(a, b): return linear_packed(ops.rms_norm(ops.add(a, b), gain, 1e-6), packed, 40)
     with torch.inference_mode():
         g = StepGraph(f, a, b)
         assert len(g) == 3 and torch.equal(g.output, f(a, b))
@@ -30,10 +33,10 @@ def test_a_replay_computes_on_the_new_values():
 def test_recording_refuses_what_pytorch_computes():
     a = torch.randn(4, 64)
     with torch.inference_mode():
-        with pytest.raises(RuntimeError, match="a replay would skip it"): StepGraph(lambda a: add(a * 2, a), a)
-        with pytest.raises(RuntimeError, match="a replay would skip it"): StepGraph(lambda a: add(a.t().reshape(4, 64), a), a)  # a copying reshape
-    assert getattr(_recording, "calls", None) is None      # nothing is left recording
-    assert torch.equal(add(a, a), a * 2)
+        with pytest.raises(RuntimeError, match="a replay would skip it"): StepGraph(lambda a: ops.add(a * 2, a), a)
+        with pytest.raises(RuntimeError, match="a replay would skip it"): StepGraph(lambda a: ops.add(a.t().reshape(4, 64), a), a)  # a copying reshape
+    assert getattr(recording, "calls", None) is None      # nothing is left recording
+    assert torch.equal(ops.add(a, a), a * 2)
 
 
 def _run(model, prompts, params, **kw):
@@ -54,9 +57,9 @@ def test_replayed_steps_equal_python_steps(kw):
     replayed, eng = _run(model, prompts, params, **kw)
     python, _ = _run(model, prompts, params, enforce_eager=True, **kw)
     assert replayed == python
-    rows = {rows for rows, *_ in eng.model.model.graphs}
-    assert isinstance(eng.model.model, GraphDecoder) and {1, 2} <= rows and max(rows) <= GRAPH_MAX_TOKENS
-    assert all(g is not None for g in eng.model.model.graphs.values())
+    rows = {rows for rows, *_ in eng.runner.model.graphs}
+    assert isinstance(eng.runner.model, StepGraphs) and {1, 2} <= rows and max(rows) <= GRAPH_MAX_TOKENS
+    assert all(g is not None for g in eng.runner.model.graphs.values())
 
 
 def test_a_step_that_cannot_be_recorded_runs_in_python_with_a_warning():
@@ -70,18 +73,18 @@ def test_a_step_that_cannot_be_recorded_runs_in_python_with_a_warning():
         warnings.simplefilter("always")
         replayed, eng = _run(model, prompts, params, num_blocks=64, block_size=4, quantization="int8")
     assert any("cannot be recorded and run in Python" in str(w.message) for w in caught)
-    by_rows = {rows: g for (rows, *_), g in eng.model.model.graphs.items()}
+    by_rows = {rows: g for (rows, *_), g in eng.runner.model.graphs.items()}
     assert by_rows[1] is not None and by_rows[2] is None     # one row records; two do not
     assert replayed == _run(model, prompts, params, num_blocks=64, block_size=4, quantization="int8", enforce_eager=True)[0]
 
 
 def test_enforce_eager_records_nothing():
     eng = LLMEngine(tiny_model(), NoText(), num_blocks=64, block_size=4, enforce_eager=True)
-    assert not isinstance(eng.model.model, GraphDecoder)
+    assert eng.runner.model is eng.model and eng.backend.replay_limits is None
 
 
 def test_a_weight_changed_in_place_is_seen_by_the_replays():
-    "The engine's kernel modules share the model's parameters; a weight changed in place is packed again and recorded anew."
+    "The packed weights are the model's: a weight changed in place is read, as it is now, by the replays."
     model = tiny_model()
     torch.manual_seed(2)
     prompts = [torch.randint(0, 151, (n,)).tolist() for n in (4, 9)]
@@ -93,7 +96,7 @@ def test_a_weight_changed_in_place_is_seen_by_the_replays():
     with torch.no_grad(): model.model.layers[0].mlp.down_proj.weight.mul_(-1)
     after = run(graphed)
     assert after == run(eager) and after != before
-    assert all(g is not None for g in graphed.model.model.graphs.values())     # recorded again, not given up
+    assert all(g is not None for g in graphed.runner.model.graphs.values())
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -108,5 +111,5 @@ def test_speculative_steps_replay_too(method):
         eng = LLMEngine(model, NoText(), num_blocks=64, block_size=4, enforce_eager=eager, speculative_config=spec)
         runs[eager] = [[(o.token_ids, o.logprobs) for o in run_to_completion(eng, prompts[:n], params[:n])] for n in (1, 2)]
         if not eager: replayed = eng
-    assert runs[False] == runs[True] and replayed.speculator.counters["drafts"] > 0
-    assert max(tokens for tokens, *_ in replayed.model.model.graphs) > 2     # a step with guesses was recorded
+    assert runs[False] == runs[True] and replayed.scheduler.proposer.counters["drafts"] > 0
+    assert max(tokens for tokens, *_ in replayed.runner.model.graphs) > 2     # a step with guesses was recorded

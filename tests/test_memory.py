@@ -1,0 +1,59 @@
+"""One copy of each weight: an engine's peak memory is the weights, the KV pool and the activations. Measured in a fresh
+process on Linux (the peak resident set, reset after the model is built), for the C backend, which packs the weights in
+place, and for int8 weights, which replace the float ones."""
+import json, os, subprocess, sys, textwrap
+import pytest
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc to reset the peak")
+
+RUN = textwrap.dedent("""
+    import json, sys, torch
+    from mini_infer.model import CausalLM, ModelConfig
+    from mini_infer.engine import LLMEngine
+    from mini_infer.llm import run_to_completion
+    from mini_infer.sampling import SamplingParams
+    from mini_infer.memory_plan import weights_bytes
+
+    def rss(field):
+        return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(field))
+
+    class NoText:
+        eos_token_ids = []
+        def decode(self, ids, skip_special_tokens=True): return ""
+
+    cfg = ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                      num_attention_heads=16, num_key_value_heads=4, architecture="Qwen2ForCausalLM",
+                      attention_bias=True, tie_word_embeddings=True, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = CausalLM(cfg).eval()
+    loaded = weights_bytes(model)
+    base = rss("VmRSS")
+    open("/proc/self/clear_refs", "w").write("5")          # the peak from here on
+    eng = LLMEngine(model, NoText(), kv_cache_memory_gb=0.05, **json.loads(sys.argv[1]))
+    prompts = [torch.randint(0, 32000, (n,)).tolist() for n in (40, 200, 90, 7)]
+    run_to_completion(eng, prompts, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 4)
+    print(json.dumps(dict(loaded=loaded, weights=eng.memory.weights_bytes, kv=eng.memory.kv_bytes,
+                          growth=rss("VmHWM") - base)))
+""")
+
+
+def peak(**engine_kwargs) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", RUN, json.dumps(engine_kwargs)], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_packing_for_the_cpu_kernels_keeps_one_copy():
+    p = peak(backend="auto")
+    # the weights as packed replace the weights as loaded: the process grows by the pool and the activations only
+    assert p["weights"] < 1.05 * p["loaded"]
+    assert p["growth"] < p["kv"] + 0.25 * p["loaded"] + 64 * 2**20, p
+
+
+def test_int8_weights_replace_the_float_ones():
+    p = peak(quantization="int8")
+    assert p["weights"] < 0.3 * p["loaded"]
+    # quantized layer by layer: never a second float copy of the model
+    assert p["growth"] < p["kv"] + 0.25 * p["loaded"] + 64 * 2**20, p
