@@ -31,3 +31,31 @@ def test_course_extras_cover_what_the_chapters_import():
     import sys
     third_party = {m for m in modules if m not in sys.stdlib_module_names}
     assert third_party <= names, third_party - names
+
+
+def _setup_cells():
+    import json
+    for nb in sorted(p for p in (ROOT / "nbs").glob("[0-9]*.ipynb") if p.name != "99_nbdev.ipynb"):
+        cells = json.loads(nb.read_text())["cells"]
+        yield nb.name, next("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+
+
+def test_one_name_and_pinned_release_everywhere():
+    "The distribution name, version and repository agree in pyproject, README, CITATION.cff and every setup cell."
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert meta["name"] == "mini-infer-course"        # `mini-infer` on the registry is another project
+    pinned = f'{meta["name"]}[course] @ git+{meta["urls"]["Repository"]}@v{mini_infer.__version__}'
+    for name, src in _setup_cells():
+        assert pinned in src, f"{name}: the setup cell should install {pinned!r}"
+        assert "git+" not in src.replace(pinned, ""), f"{name}: an unpinned install is left"
+    assert pinned in (ROOT / "README.md").read_text()
+
+
+def test_readme_is_the_landing_page():
+    "README.md holds the markdown cells of nbs/index.ipynb (the landing page is the source)."
+    import json
+    cells = json.loads((ROOT / "nbs" / "index.ipynb").read_text())["cells"]
+    readme = (ROOT / "README.md").read_text()
+    for c in cells[1:]:
+        if c["cell_type"] == "markdown":
+            assert "".join(c["source"]) in readme, "README.md is stale: rebuild it from nbs/index.ipynb"
