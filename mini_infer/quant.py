@@ -126,7 +126,8 @@ class Int8Method(LinearMethod):
         copy."""
         flat, nb = ids.flatten(), layer.weight.shape[-1]
         panel, col = flat // nb, flat % nb  # row n is column n % block of panel n // block
-        rows = dequantize_int8(layer.weight[panel, :, col], layer.scale[panel, :, col])
+        # the scales keep the model's float dtype (quantize above): float16 rows for a float16 model
+        rows = dequantize_int8(layer.weight[panel, :, col], layer.scale[panel, :, col], layer.scale.dtype)
         return rows.view(*ids.shape, -1)
 
 
