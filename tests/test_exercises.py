@@ -1,0 +1,37 @@
+"""Every exercise's check, held to its solution (it must say correct) and to a plausible wrong answer (it must
+say what is wrong, helpfully), and to the untouched stub (it must report itself and raise nothing). Solutions are
+read from the folded <details> blocks of the notebooks, so the tests run the code a learner unfolds.
+One section per chapter, below the shared helpers."""
+from pathlib import Path
+import pytest
+from mini_infer.exercise import solutions, exercise_headings
+
+NBS = Path(__file__).parent.parent / "nbs"
+NOTEBOOKS = sorted(p for p in NBS.glob("[0-9][0-9]*_*.ipynb"))
+
+
+def solution(notebook: str, heading_start: str, **names) -> dict:
+    """Runs the solution under the exercise heading of `notebook` (a file name in nbs/) that starts with
+    `heading_start`, in a namespace holding `names`; returns that namespace."""
+    found = [code for h, code in solutions(NBS / notebook).items() if h.startswith(heading_start)]
+    assert len(found) == 1, f"{notebook}: {len(found)} solutions under a heading starting {heading_start!r}"
+    ns = dict(names)
+    exec(found[0], ns)
+    return ns
+
+
+@pytest.mark.parametrize("p", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_exercise_has_a_solution(p):
+    missing = set(exercise_headings(p)) - set(solutions(p))
+    assert not missing, f"{p.name}: exercises without a <details> solution: {sorted(missing)}"
+
+
+# ---- the mechanism (nbs/98_exercises.ipynb) ----
+
+def test_check_own_check():
+    from mini_infer.exercise import exercise_check, expect
+    ns = solution("98_exercises.ipynb", "Exercise 1", exercise_check=exercise_check, expect=expect)
+    assert ns["check_cube"](lambda x: x ** 3).ok is True
+    wrong = ns["check_cube"](lambda x: 3 * x)
+    assert wrong.ok is False and "expected" in wrong.message
+    assert ns["check_cube"](None).ok is None
