@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The full test suite: library in sync with the notebooks, notebooks clean, pytest, and every notebook executed
-# (nbdev-test, and nbval on output-stripped copies). `gpu`-flagged cells are skipped on machines without CUDA.
+# The full test suite: library in sync with the notebooks, notebooks clean, every notebook executed (nbval on
+# output-stripped copies), and pytest. `gpu`-flagged cells are skipped on machines without CUDA.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # One BLAS thread per process: notebooks run two at a time and server tests run two processes, and oversubscribed
@@ -15,17 +15,14 @@ echo "== notebooks clean (nbdev-clean)"
 nbdev-clean
 git diff --exit-code --stat -- nbs || { echo "notebooks are not clean: run nbdev-clean and commit"; exit 1; }
 
-echo "== notebooks executed (nbdev-test)"
-flags=""; python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" && flags="--flags gpu"
-# one process per notebook, two at a time: each notebook's memory goes back to the system when it ends (a long-lived
-# worker that runs several notebooks keeps growing, and two of them outgrew 24 GB)
-ls nbs/*.ipynb | xargs -P 2 -I{} nbdev-test --n-workers 0 --timing $flags {}
-
+# Every notebook is executed once, in a real Jupyter kernel as Run All would (nbval on output-stripped copies),
+# two notebooks at a time (--dist loadfile keeps a notebook's cells in order in one worker). nbdev-test would run
+# the same cells a second time in its own shell: the kernel is the stricter check, so it is the one we keep.
 echo "== notebooks executed (nbval on output-stripped copies)"
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 python tests/strip_notebooks.py nbs "$tmp"
 # the conftest.py beside the copies skips flagged cells; pytest finds it there (pytest 9 no longer takes it as `-c`)
-( cd nbs && IN_TEST=1 pytest -p no:cacheprovider --nbval-lax --rootdir="$tmp" "$tmp" -q )
+( cd nbs && IN_TEST=1 pytest -p no:cacheprovider --nbval-lax -n 2 --dist loadfile --rootdir="$tmp" "$tmp" -q )
 
 echo "== pytest"
-pytest tests
+pytest -n 2 --dist loadfile tests
