@@ -35,3 +35,51 @@ def test_check_own_check():
     wrong = ns["check_cube"](lambda x: 3 * x)
     assert wrong.ok is False and "expected" in wrong.message
     assert ns["check_cube"](None).ok is None
+
+
+# ---- chapter 05 ----
+
+def test_05_expected_tokens_solution():
+    from mini_infer.exercises_05 import check_expected_tokens
+    assert check_expected_tokens(solution("05_speculative.ipynb", "Exercise 5.1")["prediction"]).ok is True
+
+
+def test_05_expected_tokens_wrong():
+    from mini_infer.exercises_05 import check_expected_tokens
+    wrong = check_expected_tokens(1 + 0.7 * 4)   # every guess counted on its own
+    assert wrong.ok is False and "before it" in wrong.message
+    short = check_expected_tokens(2.773 - 1)     # the model's own token forgotten
+    assert short.ok is False and "own" in short.message
+    assert check_expected_tokens(None).ok is None
+
+
+COSTS = {0: 1.0, 1: 1.10, 2: 1.17, 3: 1.19, 4: 1.25, 5: 1.34, 6: 1.39, 7: 1.45, 8: 2.31}   # a measured c(k)
+
+
+def test_05_best_k_solution():
+    from mini_infer.exercises_05 import check_best_k
+    from mini_infer.speculative import expected_tokens
+    ns = solution("05_speculative.ipynb", "Exercise 5.2", expected_tokens=expected_tokens, costs=COSTS)
+    assert check_best_k(ns["answer"], COSTS).ok is True
+
+
+def test_05_best_k_wrong():
+    from mini_infer.exercises_05 import check_best_k
+    wrong = check_best_k((8, 1.0), COSTS)        # "more guesses, more speed"
+    assert wrong.ok is False and "c(k)" in wrong.message
+    assert check_best_k(None, COSTS).ok is None
+
+
+def test_05_acceptance_rate_solution():
+    from mini_infer.exercises_05 import check_acceptance_rate
+    ns = solution("05_speculative.ipynb", "Exercise 5.3")
+    assert check_acceptance_rate(ns["acceptance_rate"]).ok is True
+
+
+def test_05_acceptance_rate_wrong():
+    import torch
+    from mini_infer.exercises_05 import check_acceptance_rate
+    wrong = check_acceptance_rate(lambda p, q: (p * q).sum(-1))   # the chance that two draws agree
+    assert wrong.ok is False and "rejection_sample kept" in wrong.message
+    def stub(p, q): raise NotImplementedError
+    assert check_acceptance_rate(stub).ok is None
