@@ -28,8 +28,8 @@ def check_int8_floor(predicted_ms, qmodel, read_bytes_per_s: float):
     nbytes = weights_bytes(qmodel)
     floor = nbytes / read_bytes_per_s * 1e3
     close_enough(predicted_ms, floor, rel=0.03,
-                 what=f"your floor (ms) for {nbytes / 2**20:.0f} MB of int8 weights and scales")
-    return f"{nbytes / 2**20:.0f} MB / {read_bytes_per_s / 1e9:.1f} GB/s = {floor:.2f} ms per token, if nothing but the weights were read"
+                 what=f"your floor (ms) for {nbytes / 2**20:.1f} MB of int8 weights and scales")
+    return f"{nbytes / 2**20:.1f} MB / {read_bytes_per_s / 1e9:.1f} GB/s = {floor:.3g} ms per token, if nothing but the weights were read"
 
 
 @exercise_check
