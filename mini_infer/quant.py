@@ -27,8 +27,9 @@ from .attention_kernels import PAGED_DECODE_C, SHORT_ROW, CPUAttention, KernelPl
 def quantize_int8(
     w: torch.Tensor, group_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 of `w` [N, K]: `q` [N, K] int8 and float32 scales [N, K // group_size], one
-    per output channel with `group_size=None`; `w ≈ q * scale`, off by at most scale / 2."""
+    """Symmetric int8 of `w` [out, in]: the int8 values w_int8 [out, in] and float32 scales [out,
+    in // group_size], one per output channel with `group_size=None`; `w ≈ w_int8 * scale`, off by
+    at most scale / 2."""
     N, K = w.shape
     g = group_size or K
     if g < 1 or K % g:
@@ -58,6 +59,7 @@ def unpack_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
     return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:n]
 
 
+# %% ../nbs/08_quantization.ipynb #7a709a3e
 class Int8Method(LinearMethod):
     """W8A16: a layer's weight in int8 with float32 scales (per group of `group_size` inputs
     where that divides them, else per output channel), both in chapter 7's panels: `weight` [P,
@@ -131,6 +133,7 @@ class Int8Method(LinearMethod):
         return rows.view(*ids.shape, -1)
 
 
+# %% ../nbs/08_quantization.ipynb #cd08769d
 def quantize_model(model: CausalLM, group_size: int | None = 64) -> CausalLM:
     """`model` with int8 weights (W8A16) in every linear layer and the LM head (and so a tied
     embedding), in place: the float weights are replaced. Norms and an untied embedding stay as
@@ -163,6 +166,8 @@ static inline vf widen(const int8_t *p) {
 #endif
 """
 
+
+# %% ../nbs/08_quantization.ipynb #a04fbd7e
 INT8_KERNELS_C = r"""
 #include <stdlib.h>
 
@@ -310,6 +315,7 @@ void linear_int8(const float *x, const int8_t *q, const float *s, const float *b
 """
 
 
+# %% ../nbs/08_quantization.ipynb #2872ff62
 @functools.cache
 def int8_kernels() -> KernelLibrary | None:
     """The compiled `linear_int8`, or None where it cannot be built; $MINI_INFER_NO_KERNELS=1
@@ -371,12 +377,8 @@ def quantize_kv(x: torch.Tensor) -> torch.Tensor:
     """K or V [..., D] -> int8 [..., D + 4]: symmetric int8 per vector, its float32 scale in the
     last 4 bytes."""
     scale = x.detach().float().abs().amax(-1, keepdim=True) / 127
-    q = (
-        (x.float() / scale.clamp(min=torch.finfo(torch.float32).tiny))
-        .round()
-        .clamp(-127, 127)
-        .to(torch.int8)
-    )
+    q = (x.float() / scale.clamp(min=torch.finfo(torch.float32).tiny)).round().clamp(-127, 127)
+    q = q.to(torch.int8)
     return torch.cat([q, scale.view(torch.int8)], -1)
 
 
@@ -425,14 +427,8 @@ class Int8KVAttention(AttentionBackend):
     def store(self, k_pool, v_pool, k, v, step: StepInputs):
         if self.kernel and k.dtype == v.dtype == torch.float32:
             k, v = k.contiguous(), v.contiguous()
-            return int8_attention_kernels().store_kv_int8(
-                k.data_ptr(),
-                v.data_ptr(),
-                k_pool.data_ptr(),
-                v_pool.data_ptr(),
-                step.slot_mapping.data_ptr(),
-                *k.shape,
-            )
+            ptrs = (t.data_ptr() for t in (k, v, k_pool, v_pool, step.slot_mapping))
+            return int8_attention_kernels().store_kv_int8(*ptrs, *k.shape)
         kq, vq = quantize_kv(torch.stack([k, v]))  # one pass over both
         k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, step.slot_mapping, kq)
         v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, step.slot_mapping, vq)
@@ -486,6 +482,7 @@ void store_kv_int8(const float *k, const float *v, int8_t *k_pool, int8_t *v_poo
 """
 
 
+# %% ../nbs/08_quantization.ipynb #80368dd1
 @functools.cache
 def int8_attention_kernels() -> KernelLibrary | None:
     """The compiled `paged_decode_int8` and `store_kv_int8`, or None where they cannot be built;

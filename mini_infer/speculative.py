@@ -47,18 +47,14 @@ def plan_guesses(
     probability alpha yields alpha^j tokens on average; a step over n tokens costs 1 + token_cost
     * (n - 1). Guesses are added, the likeliest first, while each raises the step's expected
     tokens per unit of time (at most `caps[i]` for sequence i), and the step has at most
-    `max_tokens` tokens (where bigger steps cost more than the line says: chapter 7 replays steps
-    up to a size)."""
+    `max_tokens` tokens (where bigger steps cost more than the line says: chapter 7 explains
+    why)."""
     gains = sorted(
         ((a**j, i) for i, (a, cap) in enumerate(zip(alphas, caps)) for j in range(1, cap + 1)),
         key=lambda g: -g[0],
     )
-    ks, tokens, time, n = (
-        [0] * len(alphas),
-        float(len(alphas)),
-        1 + token_cost * (len(alphas) - 1),
-        len(alphas),
-    )
+    n = len(alphas)
+    ks, tokens, time = [0] * n, float(n), 1 + token_cost * (n - 1)
     for gain, i in gains:
         if gain * time <= token_cost * tokens or (max_tokens is not None and n >= max_tokens):
             break  # no better, or no room
@@ -82,6 +78,7 @@ def residual(p: torch.Tensor, x: torch.Tensor, q: torch.Tensor | None = None) ->
     return torch.where(total > 0, r / total.clamp(min=torch.finfo(r.dtype).tiny), p)
 
 
+# %% ../nbs/05_speculative.ipynb #ca7fcb40
 def rejection_sample(
     p: torch.Tensor,
     draft: torch.Tensor,
@@ -89,10 +86,11 @@ def rejection_sample(
     q: torch.Tensor | None = None,
     generators: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify guessed tokens. `p` [B, K+1, V]: the target's distribution at each verified
-    position; `draft` [B, K]: the guesses; `num_draft` [B]: how many of row b's K guesses are
-    real; `q` [B, K, V]: the distributions the guesses were drawn from, or None for deterministic
-    guesses. Returns (accepted [B], next [B]): row b emits draft[b, :accepted[b]], then next[b]."""
+    """Verify guessed tokens. `p` [B, k+1, n_vocab]: the target's distribution at each verified
+    position (k the most guesses of any row); `draft` [B, k]: the guesses; `num_draft` [B]: how
+    many of row b's k guesses are real; `q` [B, k, n_vocab]: the distributions the guesses were
+    drawn from, or None for deterministic guesses. Returns (accepted [B], next [B]): row b emits
+    draft[b, :accepted[b]], then next[b]."""
     B, K = draft.shape
     gens = generators or [None] * B
     x = draft.clamp(min=0)  # padding (-1) reads token 0, then is masked
@@ -120,8 +118,8 @@ def greedy_verify(
     logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy rows, the case p = one-hot at the argmax: keep the guesses equal to the argmax up
-    to the first that is not, then take the argmax there. `logits` [B, K+1, V]; returns (accepted
-    [B], next [B]) as `rejection_sample` does."""
+    to the first that is not, then take the argmax there. `logits` [B, k+1, n_vocab]; returns
+    (accepted [B], next [B]) as `rejection_sample` does."""
     B, K = draft.shape
     top = logits.max(-1).indices  # max's indices are argmax's, and faster on CPU
     ok = (draft == top[:, :K]) & (torch.arange(K, device=draft.device) < num_draft.unsqueeze(-1))
@@ -159,7 +157,7 @@ def draft_seed(seed: int) -> int:
     independent."""
     return (seed * 6364136223846793005 + 1442695040888963407) % 2**63
 
-
+# %% ../nbs/05_speculative.ipynb #413e4fa0
 class DraftModelProposer:
     """A smaller model with the same tokenizer guesses k tokens, one forward each; it keeps KV
     blocks of its own for every sequence, and a generator of its own for every seeded one."""
@@ -170,29 +168,15 @@ class DraftModelProposer:
             model.config, num_blocks, block_size, model.device, model.dtype, attention
         )
         self.allocator = BlockAllocator(num_blocks)
-        self.state: dict[
-            Sequence, dict
-        ] = {}  # per sequence: its table, tokens computed, the last guesses
+        self.state: dict[Sequence, dict] = {}  # per sequence: its table, tokens computed, guesses
 
     def _sync(self, seq: Sequence) -> dict:
         """The sequence's draft state, rolled back to the tokens that are still the sequence's
         (rejected guesses go)."""
-        seed = seq.params.seed
-        gen = (
-            None
-            if seed is None
-            else torch.Generator(self.model.device).manual_seed(draft_seed(seed))
-        )
-        st = self.state.setdefault(
-            seq,
-            dict(
-                table=BlockTable(self.cache.block_size),
-                computed=0,
-                base=0,
-                guesses=[],
-                generator=gen,
-            ),
-        )
+        seed, dev = seq.params.seed, self.model.device
+        gen = None if seed is None else torch.Generator(dev).manual_seed(draft_seed(seed))
+        st = self.state.setdefault(seq, dict(table=BlockTable(self.cache.block_size), computed=0,
+                                             base=0, guesses=[], generator=gen))
         final = seq.token_slice(st["base"], min(len(st["guesses"]), seq.num_tokens - st["base"]))
         same = next((i for i, (a, b) in enumerate(zip(final, st["guesses"])) if a != b), len(final))
         st["computed"] = min(st["computed"], st["base"] + same, seq.num_tokens - 1)
@@ -219,8 +203,8 @@ class DraftModelProposer:
     def propose(
         self, seqs: list[Sequence], ks: list[int]
     ) -> list[tuple[list[int], torch.Tensor | None]]:
-        # sequences with room in the draft's pool for the catch-up and k - 1 guesses (the k-th never
-        # runs)
+        # sequences with room in the draft's pool for the catch-up and k - 1 guesses (the k-th
+        # never runs)
         live = []
         for s, k in zip(seqs, ks):
             if s.num_tokens + k - 1 > len(self.model.rotary.cos):
@@ -233,37 +217,23 @@ class DraftModelProposer:
         guesses, qs = {s: [] for s in seqs}, {s: [] for s in seqs}
         # the first forward runs every token the draft has not seen yet (at least the last); then
         # one guess each
-        rows = [
-            (
-                s.token_slice(st["computed"], s.num_tokens - st["computed"]),
-                st["computed"],
-                st["table"],
-            )
-            for s, _, st in live
-        ]
+        rows = [(s.token_slice(st["computed"], s.num_tokens - st["computed"]), st["computed"],
+                 st["table"]) for s, _, st in live]
         while live:
-            toks, q = self._forward(
-                rows, [s.params for s, _, _ in live], [st["generator"] for _, _, st in live]
-            )
+            gens = [st["generator"] for _, _, st in live]
+            toks, q = self._forward(rows, [s.params for s, _, _ in live], gens)
             for (s, _, _), t, qq in zip(live, toks, q):
                 guesses[s].append(t)
                 qs[s].append(qq)
             live = [(s, k, st) for s, k, st in live if len(guesses[s]) < k]
-            rows = [
-                (guesses[s][-1:], s.num_tokens + len(guesses[s]) - 1, st["table"])
-                for s, _, st in live
-            ]
+            rows = [(guesses[s][-1:], s.num_tokens + len(guesses[s]) - 1, st["table"])
+                    for s, _, st in live]
         for s in seqs:
             if guesses[s]:
-                self.state[s].update(
-                    computed=s.num_tokens + len(guesses[s]) - 1,
-                    base=s.num_tokens,
-                    guesses=guesses[s],
-                )
-        return [
-            (guesses[s], torch.stack(qs[s]) if qs[s] and qs[s][0] is not None else None)
-            for s in seqs
-        ]
+                self.state[s].update(computed=s.num_tokens + len(guesses[s]) - 1,
+                                     base=s.num_tokens, guesses=guesses[s])
+        return [(guesses[s], torch.stack(qs[s]) if qs[s] and qs[s][0] is not None else None)
+                for s in seqs]
 
     def free(self, seq: Sequence):
         "The sequence finished or was preempted: its draft blocks go back with the target's."
@@ -369,20 +339,13 @@ class SpeculativeProposer:
     def __init__(
         self, cfg: SpeculativeConfig, proposer, token_cost: float, replay_limits: tuple | None
     ):
-        self.config, self.proposer, self.token_cost, self.replay_limits = (
-            cfg,
-            proposer,
-            token_cost,
-            replay_limits,
-        )
-        self.acceptance: dict[
-            Sequence, list[float]
-        ] = {}  # decayed right and wrong guesses, steps since the last
+        self.config, self.proposer = cfg, proposer
+        self.token_cost, self.replay_limits = token_cost, replay_limits
+        # per sequence: decayed right and wrong guesses, steps since the last
+        self.acceptance: dict[Sequence, list[float]] = {}
         self.counters = dict.fromkeys(["drafts", "accepted", "emitted"], 0)
         self.accepted_lengths = Counter()  # verify steps by number of accepted guesses
-        self.q: dict[
-            Sequence, torch.Tensor
-        ] = {}  # the draft's distributions of the pending guesses
+        self.q: dict[Sequence, torch.Tensor] = {}  # the draft's q of the pending guesses
 
     def _cap(self, seq: Sequence) -> int:
         "The most guesses `seq` can use: k, fewer near its `max_tokens` or the context's end."
@@ -397,9 +360,9 @@ class SpeculativeProposer:
             return caps
         stats = [self.acceptance.setdefault(s, [0.0, 0.0, 0]) for s in seqs]
         max_tokens = None
-        # plain steps are replayed: keep guessing
         if self.replay_limits and len(seqs) <= self.replay_limits[0]:
-            max_tokens, row = self.replay_limits  # ones so (chapter 7)
+            # plain steps take the fast path: keep guessing steps on it too (chapter 7)
+            max_tokens, row = self.replay_limits
             caps = [min(c, row - 1) for c in caps]
         alphas = [(right + 1) / (right + wrong + 1) for right, wrong, _ in stats]
         ks = plan_guesses(alphas, caps, self.token_cost, max_tokens)
@@ -468,10 +431,9 @@ class VerifyingSampler(NextTokenSampler):
             return super().__call__(logits, rows, batch)
         B, K, dev = len(rows), max(ks) - 1, logits.device
         starts = np.cumsum([0] + ks[:-1]).tolist()
-        at = torch.tensor(
-            [[st + min(j, k - 1) for j in range(K + 1)] for st, k in zip(starts, ks)], device=dev
-        )
-        raw = logits.float()[at]  # [B, K + 1, V]: row j scores the token after the first j guesses
+        at = [[st + min(j, k - 1) for j in range(K + 1)] for st, k in zip(starts, ks)]
+        at = torch.tensor(at, device=dev)
+        raw = logits.float()[at]  # [B, k + 1, n_vocab]: row j follows the first j guesses
         draft = torch.tensor([r.guesses + [-1] * (K - len(r.guesses)) for r in rows], device=dev)
         num_draft = torch.tensor([k - 1 for k in ks], device=dev)
         positions = self._positions(batch, draft, K)  # a SamplingBatch row per verified position
@@ -481,22 +443,17 @@ class VerifyingSampler(NextTokenSampler):
         accepted, nxt = torch.empty_like(num_draft), torch.empty_like(num_draft)
         greedy = [b for b in range(B) if batch.greedy[b]]
         if greedy:
-            accepted[greedy], nxt[greedy] = greedy_verify(
-                scores[greedy], draft[greedy], num_draft[greedy]
-            )
+            g = (scores[greedy], draft[greedy], num_draft[greedy])
+            accepted[greedy], nxt[greedy] = greedy_verify(*g)
         sampled = [b for b in range(B) if not batch.greedy[b]]
         if sampled:  # p: chapter 1's temperature, top-k, top-p and min-p, position by position
-            at_rows = SamplingBatch.of(
-                positions, [b * (K + 1) + j for b in sampled for j in range(K + 1)]
-            )
-            p = self.sampler.probs(scores[sampled].flatten(0, 1), at_rows).view(
-                len(sampled), K + 1, -1
-            )
+            rows_at = [b * (K + 1) + j for b in sampled for j in range(K + 1)]
+            p = self.sampler.probs(scores[sampled].flatten(0, 1), SamplingBatch.of(positions, rows_at))
+            p = p.view(len(sampled), K + 1, -1)
             q = self._draft_probs([rows[b] for b in sampled], K, p.shape[-1], dev)
             gens = [batch.generators[b] for b in sampled]
-            accepted[sampled], nxt[sampled] = rejection_sample(
-                p, draft[sampled], num_draft[sampled], q, gens
-            )
+            s = (p, draft[sampled], num_draft[sampled], q, gens)
+            accepted[sampled], nxt[sampled] = rejection_sample(*s)
         accepted, nxt = accepted.tolist(), nxt.tolist()
         new = [r.guesses[:a] + [t] for r, a, t in zip(rows, accepted, nxt)]
         return new, self._logprobs(raw, positions, new)
@@ -516,7 +473,7 @@ class VerifyingSampler(NextTokenSampler):
 
     @staticmethod
     def _draft_probs(rows: list[ScheduledRequest], K: int, V: int, dev):
-        """q [B, K, V] for draft-model guesses (one-hot for rows whose guesses were
+        """q [B, k, n_vocab] for draft-model guesses (one-hot for rows whose guesses were
         deterministic), or None."""
         if all(r.draft_probs is None for r in rows):
             return None

@@ -35,3 +35,127 @@ def test_check_own_check():
     wrong = ns["check_cube"](lambda x: 3 * x)
     assert wrong.ok is False and "expected" in wrong.message
     assert ns["check_cube"](None).ok is None
+
+
+# ---- chapter 05 ----
+
+def test_05_expected_tokens_solution():
+    from mini_infer.exercises_05 import check_expected_tokens
+    assert check_expected_tokens(solution("05_speculative.ipynb", "Exercise 5.1")["prediction"]).ok is True
+
+
+def test_05_expected_tokens_wrong():
+    from mini_infer.exercises_05 import check_expected_tokens
+    wrong = check_expected_tokens(1 + 0.7 * 4)   # every guess counted on its own
+    assert wrong.ok is False and "before it" in wrong.message
+    short = check_expected_tokens(2.773 - 1)     # the model's own token forgotten
+    assert short.ok is False and "own" in short.message
+    assert check_expected_tokens(None).ok is None
+
+
+COSTS = {0: 1.0, 1: 1.10, 2: 1.17, 3: 1.19, 4: 1.25, 5: 1.34, 6: 1.39, 7: 1.45, 8: 2.31}   # a measured c(k)
+
+
+def test_05_best_k_solution():
+    from mini_infer.exercises_05 import check_best_k
+    from mini_infer.speculative import expected_tokens
+    ns = solution("05_speculative.ipynb", "Exercise 5.2", expected_tokens=expected_tokens, costs=COSTS)
+    assert check_best_k(ns["answer"], COSTS).ok is True
+
+
+def test_05_best_k_wrong():
+    from mini_infer.exercises_05 import check_best_k
+    wrong = check_best_k((8, 1.0), COSTS)        # "more guesses, more speed"
+    assert wrong.ok is False and "c(k)" in wrong.message
+    assert check_best_k(None, COSTS).ok is None
+
+
+def test_05_acceptance_rate_solution():
+    from mini_infer.exercises_05 import check_acceptance_rate
+    ns = solution("05_speculative.ipynb", "Exercise 5.3")
+    assert check_acceptance_rate(ns["acceptance_rate"]).ok is True
+
+
+def test_05_acceptance_rate_wrong():
+    import torch
+    from mini_infer.exercises_05 import check_acceptance_rate
+    wrong = check_acceptance_rate(lambda p, q: (p * q).sum(-1))   # the chance that two draws agree
+    assert wrong.ok is False and "rejection_sample kept" in wrong.message
+    def stub(p, q): raise NotImplementedError
+    assert check_acceptance_rate(stub).ok is None
+
+
+# ---- chapter 08 ----
+
+def _heavy_tailed(seed=0):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(64, 256, generator=g)
+    w[3, 5], w[40, 100] = 40.0, -25.0          # outliers, as real weights have
+    return w
+
+
+def test_08_rounding_rms_solution():
+    from mini_infer.exercises_08 import check_rounding_rms
+    from mini_infer.quant import quantize_int8
+    W = _heavy_tailed()
+    ns = solution("08_quantization.ipynb", "Exercise 8.1", quantize_int8=quantize_int8, W=W)
+    assert check_rounding_rms(ns["rms_prediction"], W).ok is True
+
+
+def test_08_rounding_rms_wrong():
+    from mini_infer.exercises_08 import check_rounding_rms
+    from mini_infer.quant import quantize_int8
+    W = _heavy_tailed()
+    _, s = quantize_int8(W, 64)
+    half_step = (s.pow(2).mean().sqrt() / 2).item()          # the bound, not the typical error
+    wrong = check_rounding_rms(half_step, W)
+    assert wrong.ok is False and "√12" in wrong.message
+    mean_s = (s.mean() / 12 ** 0.5).item() * 0.8             # a plainly low guess
+    assert check_rounding_rms(mean_s, W).ok is False
+    assert check_rounding_rms(None, W).ok is None
+
+
+def test_08_per_tensor_solution():
+    from mini_infer.exercises_08 import check_per_tensor
+    ns = solution("08_quantization.ipynb", "Exercise 8.2")
+    v = check_per_tensor(ns["quantize_per_tensor"], _heavy_tailed())
+    assert v.ok is True and "one scale" in v.message
+
+
+def test_08_per_tensor_wrong():
+    from mini_infer.exercises_08 import check_per_tensor
+    from mini_infer.quant import quantize_int8
+    wrong = check_per_tensor(lambda w: quantize_int8(w), _heavy_tailed())   # per output channel
+    assert wrong.ok is False and "one scale for the whole tensor" in wrong.message
+    def stub(w): raise NotImplementedError
+    assert check_per_tensor(stub, _heavy_tailed()).ok is None
+
+
+def _tiny_int8_model():
+    import torch
+    from mini_infer.model import CausalLM, ModelConfig
+    from mini_infer.quant import quantize_model
+    cfg = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, architecture="LlamaForCausalLM", tie_word_embeddings=True, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return cfg, quantize_model(CausalLM(cfg, max_positions=64).eval())
+
+
+def test_08_int8_floor_solution():
+    from mini_infer.exercises_08 import check_int8_floor
+    from mini_infer.memory_plan import count_parameters
+    cfg, qmodel = _tiny_int8_model()
+    bw = 20e9
+    ns = solution("08_quantization.ipynb", "Exercise 8.3", n_weights=count_parameters(cfg), bw=bw)
+    assert check_int8_floor(ns["floor_ms"], qmodel, bw).ok is True
+
+
+def test_08_int8_floor_wrong():
+    from mini_infer.exercises_08 import check_int8_floor
+    from mini_infer.memory_plan import count_parameters
+    cfg, qmodel = _tiny_int8_model()
+    bw = 20e9
+    wrong = check_int8_floor(count_parameters(cfg) / bw * 1e3, qmodel, bw)   # the scales forgotten
+    assert wrong.ok is False and "scales" in wrong.message
+    assert check_int8_floor(None, qmodel, bw).ok is None
