@@ -50,7 +50,7 @@ def compile_library(src: str, flags: list[str], name: str) -> Path:
             os.replace(c.with_suffix(".so"), lib)
     return lib
 
-
+# %% ../nbs/07_cpu_kernels.ipynb #0b9604ff
 def load_library(src: str, name: str, signatures: dict) -> "KernelLibrary | None":
     """Build (once) and load the C library `src`, declaring its functions' types from
     `signatures`, {name: (argtypes, restype)}. None, with a warning that shows the compiler's
@@ -70,7 +70,7 @@ def load_library(src: str, name: str, signatures: dict) -> "KernelLibrary | None
         warnings.warn(f"C kernels {name!r} built without OpenMP: they run on one thread. {no_omp}")
     return KernelLibrary(lib, signatures)
 
-
+# %% ../nbs/07_cpu_kernels.ipynb #a40e904f
 _ARG_FROM_WORD = {
     _PTR: "(void *)(uintptr_t)a[{}]",
     _SIZE: "(int64_t)a[{}]",

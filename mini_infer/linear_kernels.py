@@ -13,7 +13,7 @@ from .kernel_build import SIMD_C, KernelLibrary, load_library
 _PTR, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
 # %% ../nbs/07_cpu_kernels.ipynb #324812e6
-TILES_C = r"""
+_TILE_C = r"""
 #if VL == 16
 #define MR 12 /* rows of a tile: what the 32 vector registers hold */
 #define GR 6
@@ -60,7 +60,10 @@ TILES_C = r"""
                 memcpy(y + r * ldy, acc[r], nc * sizeof(float));                             \
         }                                                                                    \
     }
-TILE(1)
+"""
+
+# %% ../nbs/07_cpu_kernels.ipynb #a7b6eb05
+_TILE_TABLES_C = r"""TILE(1)
 TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 #if MR > 6
     TILE(7) TILE(8) TILE(9) TILE(10) TILE(11) TILE(12)
@@ -145,7 +148,29 @@ static const wide_fn wide_tiles[] = {
 };
 """
 
-LINEAR_C = r"""
+TILES_C = _TILE_C + _TILE_TABLES_C
+
+# %% ../nbs/07_cpu_kernels.ipynb #54bfe969
+_PANEL_LOOP_C = r"""    const int64_t G = (M + MR - 1) / MR, lines = K * NB * 4 / 64, per = (lines + G - 1) / G;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t p = 0; p < P; p++) {
+        int64_t ld, nc;
+        float *y = panel_out(p, ys, ns, ps, &ld, &nc);
+        const float *wp = w + p * K * NB;
+        for (int64_t g = 0; g < G; g++) { /* balanced groups of at most MR rows */
+            const int64_t m0 = g * M / G, m1 = (g + 1) * M / G, first = g * per;
+            const int64_t npf =
+                p + 1 < P && first < lines ? (lines - first < per ? lines - first : per) : 0;
+            tiles[m1 - m0](x + m0 * K, K, wp, bias ? bias + p * NB : 0, y + m0 * ld, ld, nc,
+                           (const char *)(wp + K * NB) + 64 * first, npf < K ? npf : K);
+        }
+    }
+}
+
+"""
+
+# %% ../nbs/07_cpu_kernels.ipynb #350558bb
+_LINEAR_HEAD_C = r"""
 int64_t packed_block(void) { return NB; }
 
 /* Where panel p's results go, when several outputs are packed one after another: output s's columns
@@ -171,7 +196,9 @@ void linear_packed(const float *x, const float *w, const float *bias, float *y0,
     const int64_t ns[3] = {N0, N1, N2},
                   ps[3] = {(N0 + NB - 1) / NB, (N1 + NB - 1) / NB, (N2 + NB - 1) / NB};
     const int64_t P = ps[0] + ps[1] + ps[2];
-    if (M >= PAIR_ROWS) { /* pairs of panels, each pair's rows in two halves so that the threads
+"""
+
+_PANEL_PAIRS_C = r"""    if (M >= PAIR_ROWS) { /* pairs of panels, each pair's rows in two halves so that the threads
                              balance */
         _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
         for (int64_t it = 0; it < (P + 1) / 2 * 2; it++) {
@@ -198,23 +225,9 @@ void linear_packed(const float *x, const float *w, const float *bias, float *y0,
         }
         return;
     }
-    const int64_t G = (M + MR - 1) / MR, lines = K * NB * 4 / 64, per = (lines + G - 1) / G;
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
-    for (int64_t p = 0; p < P; p++) {
-        int64_t ld, nc;
-        float *y = panel_out(p, ys, ns, ps, &ld, &nc);
-        const float *wp = w + p * K * NB;
-        for (int64_t g = 0; g < G; g++) { /* balanced groups of at most MR rows */
-            const int64_t m0 = g * M / G, m1 = (g + 1) * M / G, first = g * per;
-            const int64_t npf =
-                p + 1 < P && first < lines ? (lines - first < per ? lines - first : per) : 0;
-            tiles[m1 - m0](x + m0 * K, K, wp, bias ? bias + p * NB : 0, y + m0 * ld, ld, nc,
-                           (const char *)(wp + K * NB) + 64 * first, npf < K ? npf : K);
-        }
-    }
-}
+"""
 
-/* SwiGLU's first half, h[M, N] = silu(x[M, K] @ Wg.T) * (x @ Wu.T), as one product: Wg and Wu
+_LINEAR_GLU_C = r"""/* SwiGLU's first half, h[M, N] = silu(x[M, K] @ Wg.T) * (x @ Wu.T), as one product: Wg and Wu
    packed side by side, [P, K, 2 * NB] (a gate panel and the matching up panel on each k row); work
    split as in linear_packed. */
 void linear_glu_packed(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
@@ -237,6 +250,8 @@ void linear_glu_packed(const float *x, const float *w, float *y, int64_t M, int6
     }
 }
 """
+
+LINEAR_C = _LINEAR_HEAD_C + _PANEL_PAIRS_C + _PANEL_LOOP_C + _LINEAR_GLU_C
 
 
 @functools.cache
@@ -267,7 +282,7 @@ def pack_weight(weight: torch.Tensor, block: int, out: torch.Tensor | None = Non
         out[full, :, :rest] = weight[full * block :].T
     return out
 
-
+# %% ../nbs/07_cpu_kernels.ipynb #3a37c52f
 def _checked_library(
     name: str,
     x: torch.Tensor,
@@ -300,7 +315,7 @@ def _checked_library(
         )
     return lib
 
-
+# %% ../nbs/07_cpu_kernels.ipynb #a6b8a4ad
 def linear_packed(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -364,7 +379,7 @@ def _unpack(panels: torch.Tensor, n: int) -> torch.Tensor:
     "The first `n` rows [n, K] of what `pack_weight` packed into `panels` [P, K, block]."
     return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:n]
 
-
+# %% ../nbs/07_cpu_kernels.ipynb #cf83891c
 class PackedMethod(LinearMethod):
     """Chapter 7's products: the weight packed into panels (`pack_weight`; a SwiGLU layer's gate
     and up side by side, `pack_glu`) in place of the [out, in] one, and the C kernels for CPU
