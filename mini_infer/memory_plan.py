@@ -36,7 +36,7 @@ def weights_bytes(model: CausalLM) -> int:
     and LM head share one)."""
     return sum({t.data_ptr(): t.nbytes for t in model.state_dict().values()}.values())
 
-
+# %% ../nbs/02_paged_cache.ipynb #f02b0001
 def _fmt(b: float) -> str:
     return f"{b / GB:.2f} GB" if b >= 0.1 * GB else f"{b / 1024**2:.1f} MB"
 
@@ -102,7 +102,7 @@ class MemoryPlan:
     def __str__(self):
         return self.table()
 
-
+# %% ../nbs/02_paged_cache.ipynb #f02b0002
 def plan_memory(
     cfg: ModelConfig,
     device=None,
@@ -143,7 +143,7 @@ def plan_memory(
         kv_note,
     )
 
-
+# %% ../nbs/02_paged_cache.ipynb #f02b0003
 def info_table(model: CausalLM, plan: MemoryPlan, name: str | None = None) -> str:
     "What `mini-infer info` prints: model, device, dtype, versions and the memory plan."
     cfg = model.config

@@ -124,7 +124,7 @@ class AttentionBackend:
     def attend(self, q, k_pool, v_pool, k, v, step: StepInputs) -> torch.Tensor:
         raise NotImplementedError
 
-
+# %% ../nbs/02_paged_cache.ipynb #f02c0004
 @dataclass
 class TorchPlan:
     """A step as `TorchAttention` reads it: the prompt chunks, and the decode rows in groups of
@@ -137,7 +137,7 @@ class TorchPlan:
         tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     ]  # (rows = their tokens, blocks [g, nb], mask [g, nb * B])
 
-
+# %% ../nbs/02_paged_cache.ipynb #f02c0005
 class TorchAttention(AttentionBackend):
     """Paged attention in PyTorch, on any device: SDPA per prompt chunk; decode rows by `impl`:
     'gather', 'flash' or 'reference'."""

@@ -37,7 +37,7 @@ def load_plugin(path: str):
     module, name = path.rsplit(".", 1)
     return getattr(importlib.import_module(module), name)
 
-
+# %% ../nbs/03_continuous_batching.ipynb #f03b0007
 class TorchBackend:
     """Plain PyTorch, on any device: the model's layers as chapter 1 wrote them, and chapter 2's
     `TorchAttention`."""

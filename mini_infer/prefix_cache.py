@@ -258,7 +258,7 @@ class PrefixCachingKVManager(KVManager):
             "kv_blocks_cached": self.allocator.num_cached_free,
         }
 
-
+# %% ../nbs/04_prefix_cache.ipynb #f04b0001
 def longest_prefix_first(waiting: deque, kv: PrefixCachingKVManager) -> deque:
     """The waiting queue with requests being recomputed first, then by priority, then the longest
     cached prefix first: they compute the least to start."""

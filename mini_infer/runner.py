@@ -39,7 +39,7 @@ class NextTokenSampler:
         tokens, logprobs = self.sampler.sample(logits, batch)
         return [[t] for t in tokens.tolist()], [[lp] for lp in logprobs]
 
-
+# %% ../nbs/03_continuous_batching.ipynb #f03b0005
 class ModelRunner:
     """Runs a step: one `StepInputs` for the scheduler's plan, one forward, then the sampler over
     the rows that wanted logits. It reads plain data and tensors, never a `Sequence`, so it could

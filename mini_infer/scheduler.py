@@ -34,7 +34,7 @@ class EngineRequestOutput(RequestOutput):
 
     num_cached_tokens: int = 0
 
-
+# %% ../nbs/03_continuous_batching.ipynb #f03b0010
 class Sequence(Request):
     """One request inside the engine: chapter 1's `Request`, plus its place in the KV cache and
     its scheduling state."""
@@ -130,7 +130,7 @@ class KVManager:
     def stats(self) -> dict:
         return {}
 
-
+# %% ../nbs/03_continuous_batching.ipynb #f03b0001
 class NoProposer:
     """Guesses nothing: the plain engine. Chapter 5's speculative decoding plugs in a proposer
     that does."""
@@ -218,7 +218,7 @@ class RunnerOutput:
     token_ids: list[list[int]]
     logprobs: list[list[TokenLogprob | None]]
 
-
+# %% ../nbs/03_continuous_batching.ipynb #f03b0012
 @dataclass
 class StepOutput:
     "What one request produced in one step."

@@ -62,7 +62,7 @@ class PaddedBatchCache(KVCache):
             .reshape(B * n, Hkv * self.rep, D)
         )
 
-
+# %% ../nbs/03_continuous_batching.ipynb #f03b0009
 def generate_static(
     model: CausalLM, prompts: list[list[int]], max_tokens: list[int], batch_size: int = 32
 ) -> list[list[int]]:
