@@ -249,7 +249,7 @@ def causal_attention(q, k, v, q_start: int):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return out[0].transpose(0, 1)
 
-
+# %% ../nbs/01_model.ipynb #aa54804c
 class ContiguousKVCache(KVCache):
     """One sequence's keys and values in contiguous per-layer buffers; token at position p lives
     in slot p."""

@@ -76,7 +76,7 @@ class RequestOutput:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
 
-
+# %% ../nbs/01c_sampling_and_generate.ipynb #7a8822be
 class Request:
     """One prompt and what it has produced so far: output token ids, logprobs, the streamed text,
     and why it ended."""
