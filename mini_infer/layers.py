@@ -173,7 +173,7 @@ class GateUpLinear(ColumnLinear):
     def forward(self, x):
         return self.method.apply_glu(self, x)
 
-
+# %% ../nbs/01_model.ipynb #ff40dac3
 class QKVLinear(ColumnLinear):
     """q, k and v in one product, split by heads across the ranks. With more ranks than KV heads,
     each KV head is held by several ranks (replicated), so that every rank's query heads find

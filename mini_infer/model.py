@@ -1,4 +1,4 @@
-"""Build a Qwen2.5 / Llama decoder in plain PyTorch, load real weights (safetensors or GGUF), tokenize with the model's chat template, sample, and generate text: the baseline every later chapter beats.
+"""Build a Qwen2.5 / Llama decoder in plain PyTorch over layers that own their weights: the config, RMSNorm, RoPE, grouped-query attention through a KV-cache interface, SwiGLU, and a forward over packed tokens.
 
 Docs: https://mini-infer.github.io/mini-infer/model.html.md"""
 
@@ -159,7 +159,7 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
         raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, llama3)")
     return inv_freq.float()
 
-
+# %% ../nbs/01_model.ipynb #c0ab10f4
 class RotaryEmbedding(nn.Module):
     "Precomputed cos/sin tables; `forward(positions)` returns the rows for those positions."
 
@@ -223,11 +223,11 @@ class KVCache:
     ) -> torch.Tensor:
         raise NotImplementedError
 
-
+# %% ../nbs/01_model.ipynb #86034470
 def causal_attention(q, k, v, q_start: int):
-    """Attention of `q` [T, Hq, D] (positions q_start..q_start+T-1) over `k`, `v` [S, Hkv, D]
-    (positions 0..S-1), causal, with GQA."""
-    T, S = q.shape[0], k.shape[0]
+    """Attention of `q` [T, n_q, D] (positions q_start..q_start+T-1) over `k`, `v` [L, n_kv, D]
+    (positions 0..L-1), causal, with GQA."""
+    T, L = q.shape[0], k.shape[0]
     # [1, heads, tokens, D]: SDPA's fused (flash) kernels need 4-D inputs, 3-D ones fall back to the
     # slow math path
     q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
@@ -239,17 +239,17 @@ def causal_attention(q, k, v, q_start: int):
         k, v, gqa = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), False
     if T == 1:  # a single new token sees everything
         out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-    elif q_start == 0 and T == S:
+    elif q_start == 0 and T == L:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     else:
         mask = (
-            torch.arange(S, device=q.device)[None]
+            torch.arange(L, device=q.device)[None]
             <= (q_start + torch.arange(T, device=q.device))[:, None]
         )
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return out[0].transpose(0, 1)
 
-
+# %% ../nbs/01_model.ipynb #aa54804c
 class ContiguousKVCache(KVCache):
     """One sequence's keys and values in contiguous per-layer buffers; token at position p lives
     in slot p."""
@@ -298,7 +298,7 @@ class Attention(nn.Module):
         out = cache.attend(self.layer_idx, q, k, v.view(T, self.n_kv, D), step)
         return self.o_proj(out.reshape(T, -1))
 
-
+# %% ../nbs/01_model.ipynb #60a2ee0c
 class MLP(nn.Module):
     "SwiGLU feed-forward: down(silu(gate(x)) * up(x)), the gate and up weights in one product."
 
@@ -377,7 +377,7 @@ class Decoder(nn.Module):
             x = layer(x, cos, sin, cache, step)
         return x
 
-
+# %% ../nbs/01_model.ipynb #3a2687e5
 class CausalLM(nn.Module):
     "A Qwen2 / Llama causal language model over packed batches."
 
