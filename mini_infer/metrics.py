@@ -23,7 +23,7 @@ class Histogram:
 
 _LAT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
-
+# %% ../nbs/06_server.ipynb #26dacd37
 class Metrics:
     """Latency histograms and finish-reason counts; `render(stats)` adds the engine's gauges and
     counters."""

@@ -68,6 +68,26 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return (
+            self.content
+            if isinstance(self.content, str)
+            else "\n".join(p.text for p in self.content)
+        )
+
+# %% ../nbs/06_server.ipynb #77efa0c0
 class _GenerationRequest(BaseModel):
     """Fields shared by chat and text completions (OpenAI's, plus vLLM-style extras top_k, min_p,
     repetition_penalty, ignore_eos)."""
@@ -91,26 +111,6 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = False
     # vLLM's: requests share cached prefixes only with the same salt
     cache_salt: str | None = Field(None, min_length=1)
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
-    name: str | None = None
-
-    def text(self) -> str:
-        return (
-            self.content
-            if isinstance(self.content, str)
-            else "\n".join(p.text for p in self.content)
-        )
 
 
 class ChatCompletionRequest(_GenerationRequest):
