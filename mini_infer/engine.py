@@ -54,6 +54,7 @@ class EngineConfig(SchedulerConfig):
         False  # True: never replay recorded steps (chapter 7), every step runs in Python
     )
     trace: bool = False  # record per-step details for the figures
+    tensor_parallel_size: int = 1  # processes the model is split over (chapter 9)
 
     def __post_init__(self):
         super().__post_init__()
@@ -67,6 +68,8 @@ class EngineConfig(SchedulerConfig):
                 f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; supported: auto, "
                 f"{', '.join(KV_CACHE_DTYPES)}"
             )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
         if self.policy != "fcfs" and not self.enable_prefix_caching:
@@ -267,6 +270,9 @@ class LLMEngine:
                 work,
             )
         )
+
+    def close(self):
+        "Release what the engine holds besides memory: nothing here (chapter 9's: its processes)."
 
     def stats(self) -> dict:
         "Counters for monitoring (the server's /metrics)."
