@@ -56,7 +56,7 @@ class DistShard(Shard):
         return torch.cat(parts, -1) if self.rank == 0 else x[..., :0]
 
 # %% ../nbs/09_scaling_out.ipynb #0edb2f1e
-STARTUP_TIMEOUT = timedelta(seconds=120)  # every rank has joined within this (spawn, imports)
+STARTUP_TIMEOUT = timedelta(seconds=60)  # every rank has joined within this (spawn, imports)
 STEP_TIMEOUT = timedelta(seconds=30)  # a collective inside a step that waits longer has failed
 IDLE_TIMEOUT = timedelta(days=7)  # a worker waits this long for its next step (an idle server)
 
@@ -144,19 +144,21 @@ class Workers:
         self.check()
         broadcast(rows, self.control)
 
-    def close(self, timeout: float = 10.0):
-        "Stop the workers (politely, then by force), leave the group, remove the rendezvous file."
+    def close(self, timeout: float = 10.0, force: bool = False):
+        """Stop the workers (politely if all are alive and not `force`d, a worker mid-step cannot
+        listen; then by force), leave the group, remove the rendezvous file."""
         if self.closed:
             return
         self.closed = True
-        try:
-            if all(p.exitcode is None for p in self.procs):
+        polite = not force and all(p.exitcode is None for p in self.procs)
+        if polite:
+            try:
                 broadcast(None, self.control)
-        except Exception:
-            pass  # a worker is gone: the others are stopped below
-        deadline = time.monotonic() + timeout
+            except Exception:
+                polite = False
+        deadline = time.monotonic() + (timeout if polite else 0)
         for p in self.procs:
-            p.join(max(0.1, deadline - time.monotonic()))
+            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join(5)
@@ -180,7 +182,7 @@ class TensorParallelRunner(ModelRunner):
             return super().execute(out)
         except BaseException as e:
             dead = [p.name for p in self.workers.procs if not p.is_alive()]
-            self.workers.close(timeout=2)
+            self.workers.close(force=True)  # they may be waiting in a collective
             if dead:
                 raise WorkerDied(f"tensor-parallel worker(s) {', '.join(dead)} died; the engine is closed") from e
             raise
@@ -203,7 +205,7 @@ class TensorParallelEngine(LLMEngine):
             super().__init__(m, tokenizer, config)
             broadcast(self.memory.num_blocks, self.workers.control)
         except BaseException:
-            self.close()
+            self.workers.close(force=True)
             raise
         self.runner = TensorParallelRunner(self.workers, self.runner)
 

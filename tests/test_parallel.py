@@ -175,3 +175,73 @@ def test_close_stops_workers(tiny_qwen):
     import gc; gc.collect()
     time.sleep(0.5)
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+
+def test_server_with_tensor_parallel_size(tiny_qwen, tmp_path):
+    "`serve(..., tensor_parallel_size=2)` answers as TP = 1 does offline; killing the server (SIGKILL) leaves no worker."
+    import subprocess, sys, httpx
+    from mini_infer.server import free_port
+    port, log = free_port(), open(tmp_path / "server.log", "w")
+    code = (f"from mini_infer.server import serve; serve({tiny_qwen!r}, port={port}, device='cpu', dtype='float32', "
+            f"log_level='warning', kv_cache_memory_gb=0.05, tensor_parallel_size=2)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "MINI_INFER_API_KEY": ""})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.time()
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200: break
+            except httpx.HTTPError: pass
+            assert time.time() - t0 < 120, "server did not start"
+            time.sleep(0.2)
+        workers_of_server = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                             if "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(workers_of_server) == 1
+        r = httpx.post(url + "/v1/completions", json=dict(model=tiny_qwen, prompt=PROMPTS[0], max_tokens=8, temperature=0), timeout=60)
+        assert r.status_code == 200, r.text
+        ref = generate(tiny_qwen, PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0, logprobs=0), kv_cache_memory_gb=0.05)
+        assert r.json()["choices"][0]["text"] == ref[0].text
+    finally:
+        proc.kill(); proc.wait(30)
+    deadline = time.time() + 30     # the orphaned worker sees rank 0's socket close and exits
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers_of_server) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers_of_server)
+
+
+def test_cli_takes_tensor_parallel_size():
+    from mini_infer.cli import build_parser
+    for cmd in (["generate", "hi"], ["chat", "hi"], ["serve"], ["info"]):
+        assert build_parser().parse_args(cmd[:1] + ["--tensor-parallel-size", "3"] + cmd[1:]).tensor_parallel_size == 3
+        assert build_parser().parse_args(cmd).tensor_parallel_size == 1
+
+
+# ---- data parallelism: routing ----
+def test_queue_router_picks_least_loaded():
+    from mini_infer.parallel import QueueRouter
+    assert QueueRouter(3).route([1, 2, 3], [2, 0, 1]) == 1
+
+
+def test_prefix_router_affinity_and_fallback():
+    from mini_infer.parallel import PrefixRouter
+    r = PrefixRouter(2, block_size=4, threshold=0.5, slack=2)
+    turn1 = list(range(40))
+    first = r.route(turn1, [0, 0])
+    assert r.route(turn1 + [99] * 8, [0, 0]) == first              # the next turn follows its history
+    assert r.route(turn1 + [99] * 8, [3, 0] if first == 0 else [0, 3]) != first   # too busy: balance
+    other = r.route([7] * 40, [1, 0] if first == 0 else [0, 1])    # nothing shared: the least loaded
+    assert other != first
+
+
+def test_prefix_affinity_beats_queue_balancing_on_chat(tiny_qwen):
+    from mini_infer.parallel import QueueRouter, PrefixRouter, chat_workload, simulate_chat
+    talks, sp = chat_workload(6, 3), SamplingParams(max_tokens=4, temperature=0)
+    rates = {}
+    for make in (QueueRouter, PrefixRouter):
+        engines = [LLM(tiny_qwen, device="cpu", dtype="float32", num_blocks=64).engine for _ in range(2)]
+        r = simulate_chat(engines, make(2), talks, sp, "You are a helpful assistant who answers briefly.")
+        assert len(r["ttft"]) == 18 and all(t >= 0 for t in r["ttft"])
+        rates[make.__name__] = r["hit_rate"]
+    assert rates["PrefixRouter"] > rates["QueueRouter"]
