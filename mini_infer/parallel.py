@@ -139,6 +139,16 @@ class Workers:
             if p.exitcode is not None:
                 raise WorkerDied(f"tensor-parallel worker {p.name} (pid {p.pid}) exited with code {p.exitcode}")
 
+    def dead(self, wait: float = 1.0) -> list[str]:
+        """The workers that have exited, waiting up to `wait` seconds for one to (a collective can
+        fail on the closed socket before the killed process is reaped)."""
+        deadline = time.monotonic() + wait
+        while not (gone := [p.name for p in self.procs if p.exitcode is not None]):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        return gone
+
     def send(self, rows):
         "Broadcast one step's rows (None: stop) to the workers."
         self.check()
@@ -181,7 +191,7 @@ class TensorParallelRunner(ModelRunner):
                 self.workers.send([(r.token_ids, r.start, r.block_ids, r.num_logits) for r in out.scheduled])
             return super().execute(out)
         except BaseException as e:
-            dead = [p.name for p in self.workers.procs if not p.is_alive()]
+            dead = self.workers.dead()
             self.workers.close(force=True)  # they may be waiting in a collective
             if dead:
                 raise WorkerDied(f"tensor-parallel worker(s) {', '.join(dead)} died; the engine is closed") from e

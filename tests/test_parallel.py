@@ -167,6 +167,19 @@ def test_killed_worker_raises_fast(tiny_qwen):
     llm.close()                                             # idempotent
 
 
+def test_worker_killed_while_generating_raises_fast(tiny_qwen):
+    "A worker killed while the engine runs (in a step's collectives or between steps) ends the run with WorkerDied."
+    import threading
+    from mini_infer.parallel import WorkerDied
+    with LLM(tiny_qwen, device="cpu", dtype="float32", tensor_parallel_size=2, kv_cache_memory_gb=0.05) as llm:
+        worker = llm.engine.workers.procs[0]
+        threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDied):
+            llm.generate(["a long story"] * 4, SamplingParams(max_tokens=400, ignore_eos=True))
+        assert time.monotonic() - t0 < 40
+
+
 def test_close_stops_workers(tiny_qwen):
     llm = LLM(tiny_qwen, device="cpu", dtype="float32", tensor_parallel_size=2, kv_cache_memory_gb=0.05)
     pids = [p.pid for p in llm.engine.workers.procs]
