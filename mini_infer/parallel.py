@@ -120,7 +120,7 @@ class Workers:
     `send` a step's rows, `close` them all."""
 
     def __init__(self, size: int, model, device, dtype, config: EngineConfig, threads: int):
-        self.size, self.closed, self.error = size, False, None
+        self.size, self.closed = size, False
         self.tmp = tempfile.mkdtemp(prefix="mini-infer-tp-")
         init_method = f"file://{os.path.join(self.tmp, 'rendezvous')}"
         ctx = mp.get_context("spawn")
@@ -131,7 +131,11 @@ class Workers:
         ]
         for p in self.procs:
             p.start()
-        self.shard, self.control = init_rank(0, size, init_method, torch.device(device))
+        try:
+            self.shard, self.control = init_rank(0, size, init_method, rank_device(device, 0))
+        except BaseException:
+            self.close(force=True)
+            raise
 
     def check(self):
         "Raise `WorkerDied` if a worker has exited."
