@@ -39,6 +39,7 @@ def _llm(a, **engine_kwargs):
         speculative_config=a.speculative_config,
         enforce_eager=a.enforce_eager,
         tensor_parallel_size=a.tensor_parallel_size,
+        data_parallel_size=a.data_parallel_size,
         **engine_kwargs,
     )
 
@@ -213,6 +214,7 @@ def cmd_serve(a):
         device=a.device,
         max_waiting=a.max_waiting,
         tensor_parallel_size=a.tensor_parallel_size,
+        data_parallel_size=a.data_parallel_size,
         backend=a.backend,
         enable_prefix_caching=a.enable_prefix_caching,
         quantization=a.quantization,
@@ -285,6 +287,13 @@ def _parallel_args(p):
         type=int,
         default=1,
         help="split the model over N processes (chapter 9): gloo on CPUs, NCCL over N GPUs",
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="N whole engine replicas in this process, requests routed by prefix affinity (chapter 9)",
     )
 
 

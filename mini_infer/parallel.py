@@ -8,10 +8,12 @@ Docs: https://mini-infer.github.io/mini-infer/scaling_out.html.md"""
 __all__ = ['STARTUP_TIMEOUT', 'STEP_TIMEOUT', 'IDLE_TIMEOUT', 'rank_config', 'DistShard', 'rank_device', 'init_rank', 'load_rank',
            'broadcast', 'worker_main', 'WorkerDied', 'Workers', 'TensorParallelRunner', 'TensorParallelEngine',
            'decode_step_seconds', 'time_collectives', 'ring_all_reduce_seconds', 'QueueRouter', 'prefix_keys',
-           'PrefixRouter', 'chat_workload', 'simulate_chat']
+           'PrefixRouter', 'chat_workload', 'simulate_chat', 'DataParallelEngine']
 
 # %% ../nbs/09_scaling_out.ipynb #fd58a070
 import heapq, os, shutil, statistics, tempfile, time, weakref
+from collections import ChainMap
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import timedelta
 import torch
@@ -22,7 +24,8 @@ from .model import ModelConfig
 from .loader import load_model
 from .engine import LLMEngine, EngineConfig
 from .runner import ModelRunner
-from .sampling import SamplingParams
+from .sampling import SamplingParams, InvalidRequest
+from .outputs import encode_prompt
 
 # %% ../nbs/09_scaling_out.ipynb #8e4bf7fb
 def rank_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
@@ -375,3 +378,65 @@ def simulate_chat(engines, router, conversations: list[list[str]], params: Sampl
     q = sum(a["prefix_cache_queries_total"] - b["prefix_cache_queries_total"] for a, b in zip(after, before))
     h = sum(a["prefix_cache_hits_total"] - b["prefix_cache_hits_total"] for a, b in zip(after, before))
     return dict(hit_rate=h / q, ttft=sorted(ttft))
+
+# %% ../nbs/09_scaling_out.ipynb #de32706e
+class DataParallelEngine:
+    """`data_parallel_size` engine replicas behind one engine's interface: `router` picks each
+    request's replica (prefix affinity by default); a step steps every replica that has work, in
+    threads, and returns all their outputs."""
+
+    def __init__(self, model: str | None, device, dtype, config: EngineConfig, router=None):
+        if config.tensor_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 needs one process "
+                             "per replica (one server each, behind a router)")
+        n, one = config.data_parallel_size, replace(config, data_parallel_size=1)
+        self.replicas = [LLMEngine(*load_model(model, device=device, dtype=dtype), one) for _ in range(n)]
+        self.router = router or PrefixRouter(n, config.block_size)
+        self.model, self.tokenizer = self.replicas[0].model, self.replicas[0].tokenizer
+        self.max_model_len = min(e.max_model_len for e in self.replicas)
+        self.where: dict[str, LLMEngine] = {}  # request id -> its replica
+        self.pool = ThreadPoolExecutor(n, thread_name_prefix="dp-replica")
+
+    @property
+    def seqs(self) -> ChainMap:
+        "The requests in the replicas, by id (a live view, as `LLMEngine.seqs` is)."
+        return ChainMap(*(e.seqs for e in self.replicas))
+
+    def add_request(self, prompt, params=None, request_id=None, priority: int = 0, cache_salt=None) -> str:
+        "Route the request to a replica and queue it there; its id."
+        if request_id is not None and request_id in self.where:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
+        ids = encode_prompt(self.tokenizer, prompt)
+        engine = self.replicas[self.router.route(ids, [len(e.seqs) for e in self.replicas])]
+        rid = engine.add_request(ids, params, request_id, priority, cache_salt)
+        self.where[rid] = engine
+        return rid
+
+    def abort(self, request_id: str):
+        if (engine := self.where.pop(request_id, None)) is not None:
+            engine.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return any(e.has_unfinished() for e in self.replicas)
+
+    def step(self) -> list:
+        "One step of every replica with work, side by side; all their outputs."
+        busy = [e for e in self.replicas if e.has_unfinished()]
+        outs = [o for step in self.pool.map(LLMEngine.step, busy) for o in step]
+        for o in outs:
+            if o.finished:
+                self.where.pop(o.request_id, None)
+        return outs
+
+    def stats(self) -> dict:
+        "The replicas' counters, summed."
+        total = {}
+        for e in self.replicas:
+            for k, v in e.stats().items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def close(self):
+        self.pool.shutdown()
+        for e in self.replicas:
+            e.close()

@@ -227,8 +227,10 @@ def test_server_with_tensor_parallel_size(tiny_qwen, tmp_path):
 def test_cli_takes_tensor_parallel_size():
     from mini_infer.cli import build_parser
     for cmd in (["generate", "hi"], ["chat", "hi"], ["serve"], ["info"]):
-        assert build_parser().parse_args(cmd[:1] + ["--tensor-parallel-size", "3"] + cmd[1:]).tensor_parallel_size == 3
-        assert build_parser().parse_args(cmd).tensor_parallel_size == 1
+        a = build_parser().parse_args(cmd[:1] + ["--tensor-parallel-size", "3", "--data-parallel-size", "2"] + cmd[1:])
+        assert (a.tensor_parallel_size, a.data_parallel_size) == (3, 2)
+        a = build_parser().parse_args(cmd)
+        assert (a.tensor_parallel_size, a.data_parallel_size) == (1, 1)
 
 
 # ---- data parallelism: routing ----
@@ -258,3 +260,42 @@ def test_prefix_affinity_beats_queue_balancing_on_chat(tiny_qwen):
         assert len(r["ttft"]) == 18 and all(t >= 0 for t in r["ttft"])
         rates[make.__name__] = r["hit_rate"]
     assert rates["PrefixRouter"] > rates["QueueRouter"]
+
+
+def test_data_parallel_engine_equals_one_engine(tiny_qwen):
+    "LLM(data_parallel_size=2): both replicas work, the greedy tokens are one engine's; ids are unique across replicas."
+    from mini_infer.sampling import InvalidRequest
+    sp = SamplingParams(max_tokens=12, temperature=0, logprobs=0)
+    ref = generate(tiny_qwen, PROMPTS, sp, kv_cache_memory_gb=0.05)
+    with LLM(tiny_qwen, device="cpu", dtype="float32", kv_cache_memory_gb=0.05, data_parallel_size=2) as llm:
+        out = llm.generate(PROMPTS, sp)
+        engine = llm.engine
+        assert all(e.stats()["steps_total"] > 0 for e in engine.replicas)
+        assert engine.stats()["generation_tokens_total"] == sum(len(o.token_ids) for o in out)
+        engine.add_request("x", sp, request_id="dup")
+        with pytest.raises(InvalidRequest):
+            engine.add_request("y", sp, request_id="dup")
+        engine.abort("dup")
+        assert [o.finish_reason for o in engine.step()] == ["abort"]   # reported on the next step, as one engine does
+        assert not engine.has_unfinished() and not engine.where
+    same(ref, out, atol=0)
+    with pytest.raises(ValueError, match="one process per replica"):
+        LLM(tiny_qwen, device="cpu", data_parallel_size=2, tensor_parallel_size=2)
+
+
+def test_server_with_data_parallel_size(tiny_qwen):
+    "The API server over two replicas: /health, a completion equal to one engine's, /metrics summed over replicas."
+    import httpx
+    from mini_infer.server import build_app, ServerThread
+    ref = generate(tiny_qwen, PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0, logprobs=0), kv_cache_memory_gb=0.05)
+    with LLM(tiny_qwen, device="cpu", dtype="float32", kv_cache_memory_gb=0.05, data_parallel_size=2) as llm:
+        server = ServerThread(build_app(llm))
+        try:
+            assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+            r = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json=dict(model=llm.model_name, prompt=PROMPTS[0], max_tokens=8, temperature=0))
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == ref[0].text
+            assert "generation_tokens_total" in httpx.get(server.url + "/metrics", timeout=10).text
+        finally:
+            server.stop()
