@@ -38,6 +38,8 @@ def _llm(a, **engine_kwargs):
         kv_cache_dtype=a.kv_cache_dtype,
         speculative_config=a.speculative_config,
         enforce_eager=a.enforce_eager,
+        tensor_parallel_size=a.tensor_parallel_size,
+        data_parallel_size=a.data_parallel_size,
         **engine_kwargs,
     )
 
@@ -211,6 +213,8 @@ def cmd_serve(a):
         dtype=a.dtype,
         device=a.device,
         max_waiting=a.max_waiting,
+        tensor_parallel_size=a.tensor_parallel_size,
+        data_parallel_size=a.data_parallel_size,
         backend=a.backend,
         enable_prefix_caching=a.enable_prefix_caching,
         quantization=a.quantization,
@@ -276,6 +280,23 @@ def _model_args(p):
     )
 
 
+def _parallel_args(p):
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over N processes (chapter 9): gloo on CPUs, NCCL over N GPUs",
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="N whole engine replicas in this process, requests routed by prefix affinity (chapter 9)",
+    )
+
+
 def _sampling_args(p):
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", "-t", type=float, default=0.7)
@@ -298,22 +319,26 @@ def _run_commands(sub):
     "generate, chat, info and serve."
     p = sub.add_parser("generate", help="complete prompts")
     _model_args(p)
+    _parallel_args(p)
     _sampling_args(p)
     p.add_argument("prompts", nargs="+")
     p.set_defaults(fn=cmd_generate)
     p = sub.add_parser("chat", help="chat with a model: one message, or interactive with none")
     _model_args(p)
+    _parallel_args(p)
     _sampling_args(p)
     p.add_argument("message", nargs="*")
     p.add_argument("--system", default=None)
     p.set_defaults(fn=cmd_chat)
     p = sub.add_parser("info", help="device, versions and KV-cache memory plan")
     _model_args(p)
+    _parallel_args(p)
     _memory_args(p)
     p.add_argument("--block-size", type=int, default=16)
     p.set_defaults(fn=cmd_info)
     p = sub.add_parser("serve", help="OpenAI-compatible server")
     _model_args(p)
+    _parallel_args(p)
     _memory_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

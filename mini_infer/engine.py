@@ -54,6 +54,8 @@ class EngineConfig(SchedulerConfig):
         False  # True: never replay recorded steps (chapter 7), every step runs in Python
     )
     trace: bool = False  # record per-step details for the figures
+    tensor_parallel_size: int = 1  # processes the model is split over (chapter 9)
+    data_parallel_size: int = 1  # engine replicas, each a whole copy of the model (chapter 9)
 
     def __post_init__(self):
         super().__post_init__()
@@ -67,6 +69,9 @@ class EngineConfig(SchedulerConfig):
                 f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; supported: auto, "
                 f"{', '.join(KV_CACHE_DTYPES)}"
             )
+        for k in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
         if self.policy != "fcfs" and not self.enable_prefix_caching:
@@ -267,6 +272,9 @@ class LLMEngine:
                 work,
             )
         )
+
+    def close(self):
+        "Release what the engine holds besides memory: nothing here (chapter 9's: its processes)."
 
     def stats(self) -> dict:
         "Counters for monitoring (the server's /metrics)."

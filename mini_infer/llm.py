@@ -9,6 +9,7 @@ from .sampling import SamplingParams
 from .loader import load_model
 from .outputs import RequestOutput, as_prompt_list, as_params_list
 from .engine import LLMEngine, EngineConfig
+from .plugins import DATA_PARALLEL, TENSOR_PARALLEL, load_plugin
 
 # %% ../nbs/03_continuous_batching.ipynb #d1840d60
 def run_to_completion(
@@ -61,13 +62,27 @@ class LLM:
         **engine_kwargs,
     ):
         if engine is None:
-            engine = LLMEngine(
-                *load_model(model, device=device, dtype=dtype), EngineConfig(**engine_kwargs)
-            )
+            config = EngineConfig(**engine_kwargs)
+            if config.data_parallel_size > 1:  # replicas, each a whole engine
+                engine = load_plugin(DATA_PARALLEL)(model, device, dtype, config)
+            elif config.tensor_parallel_size > 1:  # one process per rank, each loads its slices
+                engine = load_plugin(TENSOR_PARALLEL)(model, device, dtype, config)
+            else:
+                engine = LLMEngine(*load_model(model, device=device, dtype=dtype), config)
         elif model is not None or engine_kwargs:
             raise ValueError("give LLM a model name (and engine options) or an engine, not both")
         self.engine, self.model, self.tokenizer = engine, engine.model, engine.tokenizer
         self.model_name = getattr(engine.model, "name_or_path", engine.model.config.architecture)
+
+    def close(self):
+        "Stop what the engine runs besides this process (chapter 9's workers); also on `with` exit."
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def generate(
         self,

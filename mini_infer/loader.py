@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from safetensors import safe_open
 from .model import ModelConfig, CausalLM, RotaryEmbedding, SUPPORTED_ARCHITECTURES
 from .tokenizer import Tokenizer, gguf_field, build_bpe_tokenizer
+from .layers import Shard, WHOLE
 
 # %% ../nbs/01b_weights_and_tokens.ipynb #5c31ad3a
 DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
@@ -81,10 +82,10 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 # %% ../nbs/01b_weights_and_tokens.ipynb #7c97806b
 def load_safetensors(
-    model_dir, device=None, dtype=None, max_positions: int | None = None
+    model_dir, device=None, dtype=None, max_positions: int | None = None, shard: Shard = WHOLE
 ) -> CausalLM:
     """Build the model from a Hugging Face checkpoint folder, each tensor loaded by its layer
-    onto `device` in `dtype`."""
+    onto `device` in `dtype`: this rank's slices of it with a `shard` (chapter 9)."""
     model_dir = Path(model_dir)
     device = torch.device(device or default_device())
     dtype = dtype or default_dtype(device)
@@ -98,7 +99,7 @@ def load_safetensors(
             f"{files[len(handles)]}: not a valid safetensors file, truncated or corrupt ({e})"
         ) from e
     with torch.device("meta"):
-        model = CausalLM(cfg, max_positions).to(dtype)
+        model = CausalLM(cfg, max_positions, shard).to(dtype)
     # memory for the weights, once, in their final dtype: nothing initialised
     model.to_empty(device=device)
 
@@ -413,7 +414,11 @@ def resolve_model(name: str | None = None) -> Path:
 
 # %% ../nbs/01b_weights_and_tokens.ipynb #56f99efc
 def load_model(
-    name: str | None = None, device=None, dtype=None, max_positions: int | None = None
+    name: str | None = None,
+    device=None,
+    dtype=None,
+    max_positions: int | None = None,
+    shard: Shard = WHOLE,
 ) -> tuple[CausalLM, Tokenizer]:
     """Load a model and its tokenizer by alias, path or Hub repo id (None = Qwen2.5-0.5B-Instruct
     if available, else bundled SmolLM2)."""
@@ -421,6 +426,6 @@ def load_model(
     device = torch.device(device or default_device())
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or default_dtype(device)
     folder = cached_gguf(path) if path.suffix == ".gguf" else path
-    model = load_safetensors(folder, device, dtype, max_positions)
+    model = load_safetensors(folder, device, dtype, max_positions, shard)
     model.name_or_path = name or ("smollm2-135m" if path == bundled_gguf_path() else DEFAULT_MODEL)
     return model, Tokenizer.from_dir(folder)

@@ -609,3 +609,44 @@ def test_06_max_num_seqs():
     ttft_down = check_max_num_seqs({"steps": 16, "ttft": "down", "tpot": "down"}, **knob)
     assert ttft_down.ok is False and "queue" in ttft_down.message
     assert check_max_num_seqs(None, **knob).ok is None
+
+# ---- chapter 09 ----
+
+def _smollm_cfg():
+    from mini_infer.model import ModelConfig
+    return ModelConfig(49152, 576, 1536, 30, 9, 3, tie_word_embeddings=True)
+
+
+def _qwen7b_cfg():
+    from mini_infer.model import ModelConfig
+    return ModelConfig(152064, 3584, 18944, 28, 28, 4, attention_bias=True, architecture="Qwen2ForCausalLM")
+
+
+def test_09_masked_lookup():
+    import torch
+    from mini_infer.exercises_09 import check_masked_lookup
+    ns = solution("09_scaling_out.ipynb", "Exercise 9.1", torch=torch)
+    assert check_masked_lookup(ns["lookup"]).ok is True
+    wrong = check_masked_lookup(lambda ids, rows, start: rows[(ids - start).clamp(0, rows.shape[0] - 1)])  # no mask
+    assert wrong.ok is False and "zeros" in wrong.message
+    def stub(ids, rows, start):
+        raise NotImplementedError
+    assert check_masked_lookup(stub).ok is None
+
+
+def test_09_all_reduce_count():
+    from mini_infer.exercises_09 import check_all_reduce_count
+    ns = solution("09_scaling_out.ipynb", "Exercise 9.2")
+    assert check_all_reduce_count(ns["prediction"], _smollm_cfg()).ok is True
+    wrong = check_all_reduce_count(60, _smollm_cfg())
+    assert wrong.ok is False and "embedding" in wrong.message
+    assert check_all_reduce_count(None, _smollm_cfg()).ok is None
+
+
+def test_09_kv_ratio():
+    from mini_infer.exercises_09 import check_kv_ratio
+    ns = solution("09_scaling_out.ipynb", "Exercise 9.3")
+    assert check_kv_ratio(ns["kv_ratio"], _qwen7b_cfg()).ok is True
+    wrong = check_kv_ratio(0.5, _qwen7b_cfg())
+    assert wrong.ok is False and "replicated" in wrong.message
+    assert check_kv_ratio(None, _qwen7b_cfg()).ok is None

@@ -1,5 +1,5 @@
 """Every `#| gpu` cell's code, run on the CPU: no GPU runs them here, so this catches a renamed API or a shape
-error in them. The cell runs as written except that `torch.cuda` is a stand-in that says a T4 is there, "cuda"
+error in them. The cell runs as written except that `torch.cuda` is a stand-in that says two T4s are there (Kaggle's machine), "cuda"
 is "cpu", the Hub's Qwen2.5 models are a tiny random Qwen2 (14 heads, 2 KV heads, as Qwen2.5-0.5B), and an
 `assert` is evaluated but not required to hold (random weights do not answer "Paris")."""
 import ast, json, shutil, types
@@ -83,7 +83,7 @@ def prelude(cells_before) -> dict:
 @pytest.mark.parametrize("nb,cells_before,src", list(gpu_cells()))
 def test_gpu_cell_runs_on_cpu(nb, cells_before, src, tiny_qwen, capsys):
     ns = prelude(cells_before)
-    ns["fake_cuda"] = types.SimpleNamespace(is_available=lambda: True, synchronize=lambda: None,
+    ns["fake_cuda"] = types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 2, synchronize=lambda: None,
                                             empty_cache=lambda: None, get_device_capability=lambda: (7, 5))
     ns["evaluated"] = lambda ok: None
     tree = ast.fix_missing_locations(OnCPU(tiny_qwen).visit(ast.parse(src)))

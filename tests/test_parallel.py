@@ -1,0 +1,301 @@
+"""Chapter 9: sharded layers equal (column) or close to (row) the whole layer; the tensor-parallel engine over
+spawned gloo processes gives TP = 1's greedy tokens (TP = 2 on a tiny random Qwen2 with every scheduler feature on,
+TP = 3 on SmolLM2-135M); a killed worker raises within seconds; no process outlives a test; data-parallel routing."""
+import os, shutil, signal, time
+import psutil, pytest, torch
+from mini_infer.layers import Shard, ColumnLinear, QKVLinear, RowLinear, VocabEmbedding, LMHead
+from mini_infer.llm import LLM
+from mini_infer.sampling import SamplingParams
+
+TEST_TIMEOUT = 240  # seconds: a test that takes longer has hung
+
+
+def workers() -> list[psutil.Process]:
+    """This process's live children, but multiprocessing's resource tracker (one per parent, started with the first
+    spawned process, it exits with the parent)."""
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
+
+
+@pytest.fixture(autouse=True)
+def guard():
+    "Every test: a time limit (SIGALRM), and no child process left behind afterwards."
+    def timeout(*_): raise TimeoutError(f"test took more than {TEST_TIMEOUT} s")
+    old = signal.signal(signal.SIGALRM, timeout)
+    signal.alarm(TEST_TIMEOUT)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    deadline = time.time() + 10
+    while (kids := workers()) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not kids, f"processes left behind: {[(p.pid, p.name()) for p in kids]}"
+
+
+# ---- layers: N ranks simulated in one process (chapter 1's Shard: the sum and gather by hand) ----
+def test_column_parallel_equals_whole():
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 24), torch.randn(36, 24)
+    whole = ColumnLinear(24, [36]); whole.weight_loader(whole.weight, w)
+    for n in (2, 3):
+        parts = []
+        for r in range(n):
+            layer = ColumnLinear(24, [36], shard=Shard(r, n)); layer.weight_loader(layer.weight, w)
+            parts.append(layer(x))
+        assert torch.equal(torch.cat(parts, -1), whole(x))   # each output element: the same dot product
+
+
+def test_row_parallel_close_to_whole():
+    torch.manual_seed(0)
+    x, w, b = torch.randn(5, 24), torch.randn(16, 24), torch.randn(16)
+    whole = RowLinear(24, 16, bias=True); whole.weight_loader(whole.weight, w); whole.weight_loader(whole.bias, b)
+    for n in (2, 3):
+        total = 0
+        for r in range(n):
+            layer = RowLinear(24, 16, bias=True, shard=Shard(r, n))
+            layer.weight_loader(layer.weight, w)
+            if layer.bias is not None: layer.weight_loader(layer.bias, b)
+            total = total + layer(x[:, r * 24 // n:(r + 1) * 24 // n])
+        torch.testing.assert_close(total, whole(x))          # the sum's order changed: close, not equal
+
+
+def test_qkv_heads_and_replicated_kv():
+    "12 query heads, 2 KV heads: at N = 2 rank r holds KV head r; at N = 4 ranks 2h and 2h + 1 both hold KV head h."
+    D, hidden = 4, 48
+    w = {k: torch.randn(n * D, hidden) for k, n in (("q", 12), ("k", 2), ("v", 2))}
+    for n in (2, 4):
+        for r in range(n):
+            layer = QKVLinear(hidden, D, 12, 2, False, Shard(r, n))
+            for k, t in w.items(): layer.weight_loader(layer.weight, t, k)
+            q, k, v = layer.weight.split(layer.output_sizes)
+            per = 12 // n
+            assert torch.equal(q, w["q"][r * per * D:(r + 1) * per * D])
+            kv = r * 2 // n
+            assert torch.equal(k, w["k"][kv * D:(kv + 1) * D]) and torch.equal(v, w["v"][kv * D:(kv + 1) * D])
+    with pytest.raises(ValueError):
+        QKVLinear(hidden, D, 12, 2, False, Shard(0, 3))          # 3 ranks cannot share 2 KV heads
+
+
+def test_vocab_parallel_embedding_and_head():
+    torch.manual_seed(0)
+    table, ids, x = torch.randn(10, 8), torch.tensor([0, 3, 9, 4, 7]), torch.randn(2, 8)
+    whole = LMHead(10, 8); whole.weight_loader(whole.weight, table)
+    for n in (2, 3):                                        # 10 rows: padded to 12 at n = 3
+        emb, logits = 0, []
+        for r in range(n):
+            layer = LMHead(10, 8, Shard(r, n)); layer.weight_loader(layer.weight, table)
+            emb = emb + layer.embed(ids)                    # ids outside the rank's range give zeros
+            logits.append(layer.method.apply(layer, x))
+        assert torch.equal(emb, whole.embed(ids))
+        assert torch.equal(torch.cat(logits, -1)[:, :10], whole(x))
+
+
+# ---- the engine across processes ----
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory):
+    "A random Qwen2 with even heads (4 query, 2 KV), untied, with the bundled model's tokenizer."
+    transformers = pytest.importorskip("transformers")
+    from mini_infer.loader import bundled_gguf_path, gguf_cache_dir, load_model
+    load_model("smollm2-135m")
+    src, out = gguf_cache_dir(bundled_gguf_path()), tmp_path_factory.mktemp("tiny-qwen2-tp")
+    cfg = transformers.Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(out)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(f, out / f.name)
+    return str(out)
+
+
+def generate(model, prompts, sp, **kw):
+    with LLM(model, device="cpu", dtype="float32", **kw) as llm:
+        return llm.generate(prompts, sp)
+
+
+def same(a, b, atol=1e-3):
+    "The same greedy tokens, and the chosen tokens' logprobs within `atol`."
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(torch.tensor([l.logprob for l in x.logprobs]),
+                                   torch.tensor([l.logprob for l in y.logprobs]), atol=atol, rtol=0)
+
+
+PROMPTS = ["The capital of France is", "def fib(n):\n    return", "Once upon a time, in a land far away,",
+           "The capital of France is Paris. The capital of Italy is"]   # shares a prefix with the first
+
+
+def test_tp2_tiny_qwen_equals_tp1_all_features(tiny_qwen):
+    "Chunked prefill (8-token chunks), preemption (a 10-block pool), prefix caching, n-gram speculation."
+    sp = SamplingParams(max_tokens=24, temperature=0, logprobs=0)
+    kw = dict(block_size=8, num_blocks=10, max_prefill_chunk=8, max_num_batched_tokens=16, enable_prefix_caching=True,
+              speculative_config=dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, adaptive=False))
+    ref = generate(tiny_qwen, PROMPTS, sp, **kw)
+    with LLM(tiny_qwen, device="cpu", dtype="float32", tensor_parallel_size=2, **kw) as llm:
+        out = llm.generate(PROMPTS, sp)
+        stats = llm.engine.stats()
+    same(ref, out)
+    assert stats["preemptions_total"] > 0
+
+
+def test_tp3_smollm_equals_tp1():
+    "SmolLM2-135M: 9 query heads, 3 KV heads, tied embeddings (vocabulary-parallel embedding and head)."
+    sp = SamplingParams(max_tokens=16, temperature=0, logprobs=0)
+    kw = dict(kv_cache_memory_gb=0.05, max_prefill_chunk=8)
+    same(generate("smollm2-135m", PROMPTS[:3], sp, **kw),
+         generate("smollm2-135m", PROMPTS[:3], sp, tensor_parallel_size=3, **kw), atol=2e-3)
+
+
+def test_killed_worker_raises_fast(tiny_qwen):
+    from mini_infer.parallel import WorkerDied
+    llm = LLM(tiny_qwen, device="cpu", dtype="float32", tensor_parallel_size=2, kv_cache_memory_gb=0.05)
+    try:
+        llm.generate("warm up", SamplingParams(max_tokens=2))
+        worker = llm.engine.workers.procs[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDied, match="tp-rank-1"):
+            llm.generate("after the crash", SamplingParams(max_tokens=4))
+        assert time.monotonic() - t0 < 20
+    finally:
+        llm.close()
+    assert llm.engine.workers.closed
+    llm.close()                                             # idempotent
+
+
+def test_worker_killed_while_generating_raises_fast(tiny_qwen):
+    "A worker killed while the engine runs (in a step's collectives or between steps) ends the run with WorkerDied."
+    import threading
+    from mini_infer.parallel import WorkerDied
+    with LLM(tiny_qwen, device="cpu", dtype="float32", tensor_parallel_size=2, kv_cache_memory_gb=0.05) as llm:
+        worker = llm.engine.workers.procs[0]
+        threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDied):
+            llm.generate(["a long story"] * 4, SamplingParams(max_tokens=400, ignore_eos=True))
+        assert time.monotonic() - t0 < 40
+
+
+def test_close_stops_workers(tiny_qwen):
+    llm = LLM(tiny_qwen, device="cpu", dtype="float32", tensor_parallel_size=2, kv_cache_memory_gb=0.05)
+    pids = [p.pid for p in llm.engine.workers.procs]
+    assert all(psutil.pid_exists(p) for p in pids)
+    del llm                                                 # garbage collection closes it too
+    import gc; gc.collect()
+    time.sleep(0.5)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+
+def test_server_with_tensor_parallel_size(tiny_qwen, tmp_path):
+    "`serve(..., tensor_parallel_size=2)` answers as TP = 1 does offline; killing the server (SIGKILL) leaves no worker."
+    import subprocess, sys, httpx
+    from mini_infer.server import free_port
+    port, log = free_port(), open(tmp_path / "server.log", "w")
+    code = (f"from mini_infer.server import serve; serve({tiny_qwen!r}, port={port}, device='cpu', dtype='float32', "
+            f"log_level='warning', kv_cache_memory_gb=0.05, tensor_parallel_size=2)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "MINI_INFER_API_KEY": ""})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.time()
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200: break
+            except httpx.HTTPError: pass
+            assert time.time() - t0 < 120, "server did not start"
+            time.sleep(0.2)
+        workers_of_server = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                             if "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(workers_of_server) == 1
+        r = httpx.post(url + "/v1/completions", json=dict(model=tiny_qwen, prompt=PROMPTS[0], max_tokens=8, temperature=0), timeout=60)
+        assert r.status_code == 200, r.text
+        ref = generate(tiny_qwen, PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0, logprobs=0), kv_cache_memory_gb=0.05)
+        assert r.json()["choices"][0]["text"] == ref[0].text
+    finally:
+        proc.kill(); proc.wait(30)
+    deadline = time.time() + 30     # the orphaned worker sees rank 0's socket close and exits
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers_of_server) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers_of_server)
+
+
+def test_cli_takes_tensor_parallel_size():
+    from mini_infer.cli import build_parser
+    for cmd in (["generate", "hi"], ["chat", "hi"], ["serve"], ["info"]):
+        a = build_parser().parse_args(cmd[:1] + ["--tensor-parallel-size", "3", "--data-parallel-size", "2"] + cmd[1:])
+        assert (a.tensor_parallel_size, a.data_parallel_size) == (3, 2)
+        a = build_parser().parse_args(cmd)
+        assert (a.tensor_parallel_size, a.data_parallel_size) == (1, 1)
+
+
+# ---- data parallelism: routing ----
+def test_queue_router_picks_least_loaded():
+    from mini_infer.parallel import QueueRouter
+    assert QueueRouter(3).route([1, 2, 3], [2, 0, 1]) == 1
+
+
+def test_prefix_router_affinity_and_fallback():
+    from mini_infer.parallel import PrefixRouter
+    r = PrefixRouter(2, block_size=4, threshold=0.5, slack=2)
+    turn1 = list(range(40))
+    first = r.route(turn1, [0, 0])
+    assert r.route(turn1 + [99] * 8, [0, 0]) == first              # the next turn follows its history
+    assert r.route(turn1 + [99] * 8, [3, 0] if first == 0 else [0, 3]) != first   # too busy: balance
+    other = r.route([7] * 40, [1, 0] if first == 0 else [0, 1])    # nothing shared: the least loaded
+    assert other != first
+
+
+def test_prefix_affinity_beats_queue_balancing_on_chat(tiny_qwen):
+    from mini_infer.parallel import QueueRouter, PrefixRouter, chat_workload, simulate_chat
+    talks, sp = chat_workload(6, 3), SamplingParams(max_tokens=4, temperature=0)
+    rates = {}
+    for make in (QueueRouter, PrefixRouter):
+        engines = [LLM(tiny_qwen, device="cpu", dtype="float32", num_blocks=64).engine for _ in range(2)]
+        r = simulate_chat(engines, make(2), talks, sp, "You are a helpful assistant who answers briefly.")
+        assert len(r["ttft"]) == 18 and all(t >= 0 for t in r["ttft"])
+        rates[make.__name__] = r["hit_rate"]
+    assert rates["PrefixRouter"] > rates["QueueRouter"]
+
+
+def test_data_parallel_engine_equals_one_engine(tiny_qwen):
+    "LLM(data_parallel_size=2): both replicas work, the greedy tokens are one engine's; ids are unique across replicas."
+    from mini_infer.sampling import InvalidRequest
+    sp = SamplingParams(max_tokens=12, temperature=0, logprobs=0)
+    ref = generate(tiny_qwen, PROMPTS, sp, kv_cache_memory_gb=0.05)
+    with LLM(tiny_qwen, device="cpu", dtype="float32", kv_cache_memory_gb=0.05, data_parallel_size=2) as llm:
+        out = llm.generate(PROMPTS, sp)
+        engine = llm.engine
+        assert all(e.stats()["steps_total"] > 0 for e in engine.replicas)
+        assert engine.stats()["generation_tokens_total"] == sum(len(o.token_ids) for o in out)
+        engine.add_request("x", sp, request_id="dup")
+        with pytest.raises(InvalidRequest):
+            engine.add_request("y", sp, request_id="dup")
+        engine.abort("dup")
+        assert [o.finish_reason for o in engine.step()] == ["abort"]   # reported on the next step, as one engine does
+        assert not engine.has_unfinished() and not engine.where
+    same(ref, out, atol=0)
+    with pytest.raises(ValueError, match="one process per replica"):
+        LLM(tiny_qwen, device="cpu", data_parallel_size=2, tensor_parallel_size=2)
+
+
+def test_server_with_data_parallel_size(tiny_qwen):
+    "The API server over two replicas: /health, a completion equal to one engine's, /metrics summed over replicas."
+    import httpx
+    from mini_infer.server import build_app, ServerThread
+    ref = generate(tiny_qwen, PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0, logprobs=0), kv_cache_memory_gb=0.05)
+    with LLM(tiny_qwen, device="cpu", dtype="float32", kv_cache_memory_gb=0.05, data_parallel_size=2) as llm:
+        server = ServerThread(build_app(llm))
+        try:
+            assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+            r = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json=dict(model=llm.model_name, prompt=PROMPTS[0], max_tokens=8, temperature=0))
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == ref[0].text
+            assert "generation_tokens_total" in httpx.get(server.url + "/metrics", timeout=10).text
+        finally:
+            server.stop()
