@@ -66,6 +66,8 @@ class ModelRunner:
         wanted = [r for r in out.scheduled if r.num_logits]
         if not wanted:
             return RunnerOutput([], [], [])
+        if out.logits_processor is not None:  # chapter 10's grammar masks, after the forward
+            logits = out.logits_processor(logits)
         tokens, logprobs = self.sampler(logits, wanted, self._sampling_batch(wanted))
         for r, new in zip(wanted, tokens):
             self.requests[r.request_id].add(new)
