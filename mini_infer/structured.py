@@ -6,7 +6,8 @@ Docs: https://mini-infer.github.io/mini-infer/structured_outputs.html.md"""
 
 # %% auto #0
 __all__ = ['TINY_DFA', 'TINY_ACCEPT', 'walk', 'allowed_tokens', 'xgrammar_tokenizer', 'compare_grammar_libraries',
-           'StructuredOutputsParams', 'GrammarCompiler', 'GrammarMasks', 'GrammarConstraints']
+           'StructuredOutputsParams', 'GrammarCompiler', 'GrammarMasks', 'GrammarConstraints',
+           'request_structured_outputs']
 
 # %% ../nbs/10_structured_outputs.ipynb #7f536904
 import json, time
@@ -256,3 +257,28 @@ class GrammarConstraints:
 
     def free(self, seq):
         self.matchers.pop(seq.request_id, None)
+
+# %% ../nbs/10_structured_outputs.ipynb #df1ebe9a
+def request_structured_outputs(req) -> StructuredOutputsParams | None:
+    """What an OpenAI-style request's `response_format` or `structured_outputs` asks for (the
+    server's 400 on anything else)."""
+    fmt, so = req.response_format, req.structured_outputs
+    if fmt is not None and so is not None:
+        raise InvalidRequest("send response_format or structured_outputs, not both", param="response_format")
+    if so is not None:
+        try:
+            return StructuredOutputsParams(**so)
+        except TypeError:
+            names = ", ".join(f.name for f in fields(StructuredOutputsParams))
+            raise InvalidRequest(f"structured_outputs takes {names}; got {sorted(so)}", param="structured_outputs") from None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object", param="response_format.json_schema.schema")
+        return StructuredOutputsParams(json=schema)
+    raise InvalidRequest(f"response_format.type must be text, json_object or json_schema; got {kind!r}", param="response_format.type")
