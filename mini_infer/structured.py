@@ -128,14 +128,19 @@ class StructuredOutputsParams:
             value = json.dumps(value)  # key order kept: it is the order of generation
         return kind, value if isinstance(value, str) else json.dumps(value)
 
-# %% ../nbs/10_structured_outputs.ipynb #ff6b0f41
+# %% ../nbs/10_structured_outputs.ipynb #c3032269
 class GrammarCompiler:
     """Compiles what a `StructuredOutputsParams` asks for into an xgrammar grammar, once per
     distinct spec (an LRU cache of `cache_size`)."""
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = 256):
-        import xgrammar as xgr
-
+        try:
+            import xgrammar as xgr
+        except ImportError:  # an optional dependency (the `course` extra)
+            raise InvalidRequest(
+                "structured outputs need xgrammar on the server: pip install xgrammar",
+                param="structured_outputs",
+            ) from None
         self.xgr, self.info = xgr, xgrammar_tokenizer(tokenizer, vocab_size)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.cache, self.cache_size = OrderedDict(), cache_size

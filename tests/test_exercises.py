@@ -35,3 +35,45 @@ def test_check_own_check():
     wrong = ns["check_cube"](lambda x: 3 * x)
     assert wrong.ok is False and "expected" in wrong.message
     assert ns["check_cube"](None).ok is None
+
+
+# ---- chapter 10 ----
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from mini_infer.loader import resolve_model
+    from mini_infer.tokenizer import Tokenizer
+    return Tokenizer.from_gguf(str(resolve_model()))
+
+
+def test_ch10_allowed_tokens():
+    from mini_infer.exercises_10 import check_allowed
+    ns = solution("10_structured_outputs.ipynb", "Exercise 10.1")
+    assert check_allowed(ns["allowed"]).ok is True
+    from mini_infer.structured import walk
+    # a plausible mistake: allowing a token if its FIRST character has an edge
+    first_only = lambda dfa, acc, s, vocab: [t for t in vocab if (s in acc if t == "<eos>" else walk(dfa, s, t[0]) is not None)]
+    wrong = check_allowed(first_only)
+    assert wrong.ok is False and "ALL its characters" in wrong.message
+    def stub(dfa, accept, state, vocab):
+        raise NotImplementedError
+    assert check_allowed(stub).ok is None
+
+
+def test_ch10_choice_prediction(smollm2_tokenizer):
+    from mini_infer.exercises_10 import check_choice_prediction
+    ns = solution("10_structured_outputs.ipynb", "Exercise 10.2", tok=smollm2_tokenizer,
+                  check_choice_prediction=check_choice_prediction)
+    assert check_choice_prediction(ns["prediction"], smollm2_tokenizer).ok is True
+    wrong = check_choice_prediction(2, smollm2_tokenizer)  # only the two whole words
+    assert wrong.ok is False and "off by more than" in wrong.message
+    assert check_choice_prediction(None, smollm2_tokenizer).ok is None
+
+
+def test_ch10_whitespace(smollm2_tokenizer):
+    from mini_infer.exercises_10 import check_whitespace
+    ns = solution("10_structured_outputs.ipynb", "Exercise 10.3", tok=smollm2_tokenizer, check_whitespace=check_whitespace)
+    assert check_whitespace(ns["whitespace_prediction"], smollm2_tokenizer).ok is True
+    wrong = check_whitespace("fewer", smollm2_tokenizer)
+    assert wrong.ok is False and "any_whitespace=True" in wrong.message
+    assert check_whitespace(None, smollm2_tokenizer).ok is None
