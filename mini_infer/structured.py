@@ -410,9 +410,11 @@ def _tagged_json_grammar(schema: dict, before: str, after: str) -> str:
     body = G.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
     return str(G.concat(tag(before), body, tag(after)))
 
-# %% ../nbs/10_structured_outputs.ipynb #f4e0f945
+# %% ../nbs/10_structured_outputs.ipynb #a35b67c5
 def request_tool_calls(tokenizer, req) -> ToolCalls | None:
     "The request's tools, checked, or None without tools."
+    if not req.tools and req.tool_choice not in (None, "none"):
+        raise InvalidRequest("tool_choice needs tools", param="tool_choice")
     return ToolCalls(tokenizer, req.tools, req.tool_choice or "auto") if req.tools else None
 
 # %% ../nbs/10_structured_outputs.ipynb #1b52795b
