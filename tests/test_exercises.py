@@ -77,3 +77,43 @@ def test_ch10_whitespace(smollm2_tokenizer):
     wrong = check_whitespace("fewer", smollm2_tokenizer)
     assert wrong.ok is False and "any_whitespace=True" in wrong.message
     assert check_whitespace(None, smollm2_tokenizer).ok is None
+
+
+# ---- chapter 10b ----
+
+def test_ch10b_signature():
+    from mini_infer.exercises_10b import check_signature
+    ns = solution("10b_repomap.ipynb", "Exercise 10b.1", check_signature=check_signature)
+    assert check_signature(ns["signature"]).ok is True
+    import ast
+    no_async = lambda node: f"def {node.name}({ast.unparse(node.args)})" + (f" -> {ast.unparse(node.returns)}" if node.returns else "")
+    wrong = check_signature(no_async)
+    assert wrong.ok is False and "async" in wrong.message
+    def stub(node):
+        raise NotImplementedError
+    assert check_signature(stub).ok is None
+
+
+def test_ch10b_recomputed():
+    from mini_infer.exercises_10b import check_recomputed
+    ns = solution("10b_repomap.ipynb", "Exercise 10b.2", check_recomputed=check_recomputed, ids=[0] * 1030, cached=[0, 1008])
+    assert ns["check_recomputed"](ns["prediction"], 1030, 1008).ok is True
+    wrong = check_recomputed(1030, 1030, 1008)  # as if nothing were cached
+    assert wrong.ok is False and "off by more than" in wrong.message
+    assert check_recomputed(None, 1030, 1008).ok is None
+
+
+def test_ch10b_bonus():
+    import mini_infer
+    from pathlib import Path
+    from mini_infer.exercises_10b import check_bonus
+    from mini_infer.repomap import model_tokenizer, repo_map
+    tok = model_tokenizer()
+    count = lambda text: len(tok.encode(text))
+    pkg = Path(mini_infer.__file__).parent
+    ns = solution("10b_repomap.ipynb", "Exercise 10b.3", check_bonus=check_bonus, repo_map=repo_map, PKG=pkg, count=count)
+    assert check_bonus(ns["bonus_prediction"], pkg, count).ok is True
+    other = "no" if ns["bonus_prediction"] == "yes" else "yes"
+    wrong = check_bonus(other, pkg, count)
+    assert wrong.ok is False and "bonus" in wrong.message
+    assert check_bonus(None, pkg, count).ok is None
