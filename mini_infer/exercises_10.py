@@ -14,8 +14,14 @@ def check_allowed(fn):
     "Exercise 10.1: the learner's `allowed(dfa, accept, state, vocab)` against `allowed_tokens`."
     vocab = ["{", '{"', '"', "n", '":', " ", "4", "42", "}", '"n"', "4}", "<eos>"]
     for state in TINY_DFA:
-        want, got = allowed_tokens(TINY_DFA, TINY_ACCEPT, state, vocab), list(fn(TINY_DFA, TINY_ACCEPT, state, vocab))
-        expect(got == want, f"state {state}: expected {want}, got {got} (a token is allowed if ALL its characters walk the DFA; <eos> only in an accepting state)")
+        want, got = (
+            allowed_tokens(TINY_DFA, TINY_ACCEPT, state, vocab),
+            list(fn(TINY_DFA, TINY_ACCEPT, state, vocab)),
+        )
+        expect(
+            got == want,
+            f"state {state}: expected {want}, got {got} (a token is allowed if ALL its characters walk the DFA; <eos> only in an accepting state)",
+        )
     return "every state's mask matches"
 
 
@@ -49,9 +55,23 @@ def check_whitespace(prediction, tokenizer):
     info = xgrammar_tokenizer(tokenizer, tokenizer.vocab_size)
     counts = {}
     for ws in (False, True):
-        m = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_json_schema('{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}', any_whitespace=ws))
+        m = xgr.GrammarMatcher(
+            xgr.GrammarCompiler(info).compile_json_schema(
+                '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}',
+                any_whitespace=ws,
+            )
+        )
         assert m.accept_string("{")
         counts[ws] = _mask_size(m, tokenizer.vocab_size)
-    actual = "more" if counts[True] > counts[False] else "fewer" if counts[True] < counts[False] else "same"
-    expect(prediction == actual, f"with any_whitespace=True the mask after '{{' allows {counts[True]} tokens, against {counts[False]} without: {actual}")
+    actual = (
+        "more"
+        if counts[True] > counts[False]
+        else "fewer"
+        if counts[True] < counts[False]
+        else "same"
+    )
+    expect(
+        prediction == actual,
+        f"with any_whitespace=True the mask after '{{' allows {counts[True]} tokens, against {counts[False]} without: {actual}",
+    )
     return f"{counts[False]} -> {counts[True]} tokens: whitespace tokens (spaces, newlines, their runs) join the mask, and a small model may take them forever"

@@ -8,8 +8,11 @@ import ast
 from .exercise import exercise_check, expect, close_enough
 from .repomap import _signature, repo_map
 
-_SAMPLES = ["def f(x: int, *args, y: str = 'a', **kw) -> list[int]: pass",
-            "async def g(self) -> None: pass", "def h(a, b=2): pass"]
+_SAMPLES = [
+    "def f(x: int, *args, y: str = 'a', **kw) -> list[int]: pass",
+    "async def g(self) -> None: pass",
+    "def h(a, b=2): pass",
+]
 
 
 @exercise_check
@@ -18,7 +21,10 @@ def check_signature(fn):
     for src in _SAMPLES:
         node = ast.parse(src).body[0]
         want, got = _signature(node), fn(node)
-        expect(got == want, f"for {src.split(':')[0]!r} expected {want!r}, got {got!r} (hint: ast.unparse(node.args), node.returns, async)")
+        expect(
+            got == want,
+            f"for {src.split(':')[0]!r} expected {want!r}, got {got!r} (hint: ast.unparse(node.args), node.returns, async)",
+        )
     return "all three signatures match"
 
 
@@ -35,5 +41,8 @@ def check_bonus(prediction, root, count_tokens, budget: int = 300):
     "Exercise 10b.3: does `LLM` stay in a small map without the export bonus?"
     expect(prediction in ("yes", "no"), "answer 'yes' or 'no'")
     kept = "class LLM" in repo_map(root, budget, count_tokens, export_bonus=0)
-    expect(prediction == ("yes" if kept else "no"), f"without the bonus, `class LLM` is {'still' if kept else 'no longer'} in the {budget}-token map")
+    expect(
+        prediction == ("yes" if kept else "no"),
+        f"without the bonus, `class LLM` is {'still' if kept else 'no longer'} in the {budget}-token map",
+    )
     return "the bonus lifts what a module exports above internals that are merely used often"

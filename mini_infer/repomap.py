@@ -44,16 +44,22 @@ def outline_file(path: Path, root: Path) -> FileOutline:
     exports = []
     out = FileOutline(str(path.relative_to(root)), doc, exports)
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            getattr(t, "id", None) == "__all__" for t in node.targets
+        ):
             try:
                 exports += [str(x) for x in ast.literal_eval(node.value)]
             except ValueError:
                 pass
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+        elif isinstance(
+            node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        ) and not node.name.startswith("_"):
             out.symbols.append((node.name, _signature(node)))
             if isinstance(node, ast.ClassDef):
                 for m in node.body:
-                    if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and (not m.name.startswith("_") or m.name == "__init__"):
+                    if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
+                        not m.name.startswith("_") or m.name == "__init__"
+                    ):
                         out.symbols.append((f"{node.name}.{m.name}", _signature(m, "    ")))
     return out
 
@@ -78,7 +84,9 @@ def outline(root) -> tuple[list[FileOutline], Counter]:
     return files, uses
 
 
-def rank(files: list[FileOutline], uses: Counter, export_bonus: float = 10) -> list[tuple[float, str, int]]:
+def rank(
+    files: list[FileOutline], uses: Counter, export_bonus: float = 10
+) -> list[tuple[float, str, int]]:
     """The map's lines, most important first. A class or function scores by how often the code
     base uses its name, plus `export_bonus` if its module exports it; a method follows its class (just
     below its score); a file's header (index -1) comes just above its best line. Returns

@@ -19,8 +19,17 @@ from .sampling import InvalidRequest
 
 # %% ../nbs/10_structured_outputs.ipynb #f28280fe
 # \{"n": [0-9]+\}  as a DFA: state -> {characters: next state}; state 8 accepts
-TINY_DFA = {0: {"{": 1}, 1: {'"': 2}, 2: {"n": 3}, 3: {'"': 4}, 4: {":": 5}, 5: {" ": 6},
-            6: {"0123456789": 7}, 7: {"0123456789": 7, "}": 8}, 8: {}}
+TINY_DFA = {
+    0: {"{": 1},
+    1: {'"': 2},
+    2: {"n": 3},
+    3: {'"': 4},
+    4: {":": 5},
+    5: {" ": 6},
+    6: {"0123456789": 7},
+    7: {"0123456789": 7, "}": 8},
+    8: {},
+}
 TINY_ACCEPT = {8}
 
 
@@ -33,7 +42,9 @@ def walk(dfa: dict, state: int, text: str) -> int | None:
     return state
 
 # %% ../nbs/10_structured_outputs.ipynb #854191e8
-def allowed_tokens(dfa: dict, accept: set, state: int, vocab: list[str], eos: str = "<eos>") -> list[str]:
+def allowed_tokens(
+    dfa: dict, accept: set, state: int, vocab: list[str], eos: str = "<eos>"
+) -> list[str]:
     "The tokens of `vocab` that may come next in `state`: their characters walk the DFA; `eos` only where it accepts."
     return [t for t in vocab if (state in accept if t == eos else walk(dfa, state, t) is not None)]
 
@@ -90,9 +101,14 @@ def compare_grammar_libraries(tokenizer, cases: list[tuple[dict, dict]]) -> tupl
             for b in (bx, bl):
                 assert (b[0, i // 32] >> (i % 32)) & 1, "a library forbade a valid token"
             assert xm.accept_token(i) and lm.consume_token(i)
-        rows.append(dict(tokens=len(ids), compile_ms=(cx * 1e3, cl * 1e3),
-                         first_mask_us=(tx[0] * 1e6, tl[0] * 1e6),
-                         mask_us=(sum(tx[1:]) / (len(ids) - 1) * 1e6, sum(tl[1:]) / (len(ids) - 1) * 1e6)))
+        rows.append(
+            dict(
+                tokens=len(ids),
+                compile_ms=(cx * 1e3, cl * 1e3),
+                first_mask_us=(tx[0] * 1e6, tl[0] * 1e6),
+                mask_us=(sum(tx[1:]) / (len(ids) - 1) * 1e6, sum(tl[1:]) / (len(ids) - 1) * 1e6),
+            )
+        )
     return setup, rows
 
 # %% ../nbs/10_structured_outputs.ipynb #8a740618
@@ -117,9 +133,13 @@ class StructuredOutputsParams:
                 param="structured_outputs",
             )
         if self.choice is not None and not (
-            isinstance(self.choice, list) and self.choice and all(isinstance(c, str) for c in self.choice)
+            isinstance(self.choice, list)
+            and self.choice
+            and all(isinstance(c, str) for c in self.choice)
         ):
-            raise InvalidRequest("choice must be a non-empty list of strings", param="structured_outputs.choice")
+            raise InvalidRequest(
+                "choice must be a non-empty list of strings", param="structured_outputs.choice"
+            )
 
     def key(self) -> tuple[str, str]:
         "(kind, text): what the compiled grammar is cached under."
@@ -156,7 +176,9 @@ class GrammarCompiler:
         try:
             grammar = self._compile(*key)
         except (RuntimeError, ValueError) as e:  # xgrammar's parse errors
-            raise InvalidRequest(f"invalid {key[0]}: {e}", param=f"structured_outputs.{key[0]}") from None
+            raise InvalidRequest(
+                f"invalid {key[0]}: {e}", param=f"structured_outputs.{key[0]}"
+            ) from None
         self.cache[key] = grammar
         self.counters["compiled"] += 1
         if len(self.cache) > self.cache_size:
@@ -173,7 +195,9 @@ class GrammarCompiler:
         if kind == "regex":
             return c.compile_regex(text)
         if kind == "choice":
-            return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in json.loads(text)))
+            return c.compile_grammar(
+                "root ::= " + " | ".join(json.dumps(s) for s in json.loads(text))
+            )
         return c.compile_grammar(text)
 
 # %% ../nbs/10_structured_outputs.ipynb #7ecc34f8
@@ -268,9 +292,16 @@ class GrammarConstraints:
 def request_structured_outputs(req) -> StructuredOutputsParams | None:
     """What an OpenAI-style request's `response_format`, `structured_outputs` or `tools` ask of
     its output, or None (an `InvalidRequest`, the server's 400, on anything else)."""
-    fmt, so, tools = req.response_format, req.structured_outputs, getattr(req, "tools", None) or None
+    fmt, so, tools = (
+        req.response_format,
+        req.structured_outputs,
+        getattr(req, "tools", None) or None,
+    )
     if sum(x is not None for x in (fmt, so, tools)) > 1:
-        raise InvalidRequest("send only one of response_format, structured_outputs and tools", param="response_format")
+        raise InvalidRequest(
+            "send only one of response_format, structured_outputs and tools",
+            param="response_format",
+        )
     if tools is not None:  # a required or named call: its grammar (section 7)
         return ToolCalls(None, tools, req.tool_choice or "auto").structured_outputs()
     if fmt is None and so is None:
@@ -280,7 +311,9 @@ def request_structured_outputs(req) -> StructuredOutputsParams | None:
             return StructuredOutputsParams(**so)
         except TypeError:
             names = ", ".join(f.name for f in fields(StructuredOutputsParams))
-            raise InvalidRequest(f"structured_outputs takes {names}; got {sorted(so)}", param="structured_outputs") from None
+            raise InvalidRequest(
+                f"structured_outputs takes {names}; got {sorted(so)}", param="structured_outputs"
+            ) from None
     kind = fmt.get("type")
     if kind == "text":
         return None
@@ -289,9 +322,15 @@ def request_structured_outputs(req) -> StructuredOutputsParams | None:
     if kind == "json_schema":
         schema = (fmt.get("json_schema") or {}).get("schema")
         if not isinstance(schema, dict):
-            raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object", param="response_format.json_schema.schema")
+            raise InvalidRequest(
+                "response_format.json_schema.schema must be a JSON schema object",
+                param="response_format.json_schema.schema",
+            )
         return StructuredOutputsParams(json=schema)
-    raise InvalidRequest(f"response_format.type must be text, json_object or json_schema; got {kind!r}", param="response_format.type")
+    raise InvalidRequest(
+        f"response_format.type must be text, json_object or json_schema; got {kind!r}",
+        param="response_format.type",
+    )
 
 # %% ../nbs/10_structured_outputs.ipynb #c04371ea
 TOOLS_SYSTEM_PROMPT = """You may call one of these functions to answer the user. Their signatures, as JSON schemas:
@@ -317,23 +356,39 @@ class ToolCalls:
         self.functions = {}
         for i, t in enumerate(tools):
             f = t.get("function") if isinstance(t, dict) else None
-            if t.get("type") != "function" or not isinstance(f, dict) or not isinstance(f.get("name"), str):
-                raise InvalidRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}; got {t!r:.80}", param=f"tools[{i}]")
+            if (
+                t.get("type") != "function"
+                or not isinstance(f, dict)
+                or not isinstance(f.get("name"), str)
+            ):
+                raise InvalidRequest(
+                    f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}; got {t!r:.80}",
+                    param=f"tools[{i}]",
+                )
             params = f.get("parameters") or {"type": "object", "properties": {}}
             try:
                 jsonschema.validators.validator_for(params).check_schema(params)
             except jsonschema.SchemaError as e:
-                raise InvalidRequest(f"tools[{i}].function.parameters is not a valid JSON schema: {e.message}", param=f"tools[{i}].function.parameters") from None
+                raise InvalidRequest(
+                    f"tools[{i}].function.parameters is not a valid JSON schema: {e.message}",
+                    param=f"tools[{i}].function.parameters",
+                ) from None
             self.functions[f["name"]] = params
         if isinstance(tool_choice, dict):
             name = (tool_choice.get("function") or {}).get("name")
             if name not in self.functions:
-                raise InvalidRequest(f"tool_choice names the function {name!r}, which is not in tools ({', '.join(self.functions)})", param="tool_choice")
+                raise InvalidRequest(
+                    f"tool_choice names the function {name!r}, which is not in tools ({', '.join(self.functions)})",
+                    param="tool_choice",
+                )
             self.choice, self.allowed = "named", [name]
         elif tool_choice in ("none", "auto", "required"):
             self.choice, self.allowed = tool_choice, list(self.functions)
         else:
-            raise InvalidRequest(f"tool_choice must be 'none', 'auto', 'required' or a named function; got {tool_choice!r}", param="tool_choice")
+            raise InvalidRequest(
+                f"tool_choice must be 'none', 'auto', 'required' or a named function; got {tool_choice!r}",
+                param="tool_choice",
+            )
 
     @property
     def active(self) -> bool:
@@ -343,7 +398,9 @@ class ToolCalls:
         "The conversation with the tools: the template's own way if it has one, else the fallback."
         tools = self.tools if self.active else None
         if "tools" in (self.tok.chat_template or ""):
-            text = self.tok.apply_chat_template([_with_dict_arguments(m) for m in messages], tools=tools)
+            text = self.tok.apply_chat_template(
+                [_with_dict_arguments(m) for m in messages], tools=tools
+            )
         else:
             text = self.tok.apply_chat_template(_fallback_messages(messages, tools))
         return self.tok.tok.encode(text, add_special_tokens=False).ids
@@ -352,9 +409,20 @@ class ToolCalls:
         "With 'required' or a named function: the grammar of one call to an allowed function."
         if self.choice not in ("required", "named"):
             return None
-        call = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": self.functions[n]},
-                           "required": ["name", "arguments"], "additionalProperties": False} for n in self.allowed]}
-        return StructuredOutputsParams(grammar=_tagged_json_grammar(call, "<tool_call>\n", "\n</tool_call>"))
+        call = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": n}, "arguments": self.functions[n]},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for n in self.allowed
+            ]
+        }
+        return StructuredOutputsParams(
+            grammar=_tagged_json_grammar(call, "<tool_call>\n", "\n</tool_call>")
+        )
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
         "(content, tool_calls) of an answer: each <tool_call> naming a known function becomes a call."
@@ -366,8 +434,13 @@ class ToolCalls:
                 continue
             if isinstance(obj, dict) and obj.get("name") in self.functions:
                 args = obj.get("arguments", {})
-                calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                              "function": {"name": obj["name"], "arguments": json.dumps(args)}})
+                calls.append(
+                    {
+                        "id": "call_" + uuid.uuid4().hex[:24],
+                        "type": "function",
+                        "function": {"name": obj["name"], "arguments": json.dumps(args)},
+                    }
+                )
                 rest = rest.replace(m.group(0), "")
         return (rest.strip() or None) if calls else text, calls
 
@@ -376,7 +449,16 @@ def _with_dict_arguments(m: dict) -> dict:
     "A message whose earlier tool calls carry their arguments as dicts, as chat templates expect."
     if not m.get("tool_calls"):
         return m
-    calls = [{**c, "function": {**c["function"], "arguments": json.loads(c["function"].get("arguments") or "{}")}} for c in m["tool_calls"]]
+    calls = [
+        {
+            **c,
+            "function": {
+                **c["function"],
+                "arguments": json.loads(c["function"].get("arguments") or "{}"),
+            },
+        }
+        for c in m["tool_calls"]
+    ]
     return {**m, "tool_calls": calls}
 
 
@@ -386,14 +468,21 @@ def _fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[d
     out = []
     for m in messages:
         if m["role"] == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+            out.append(
+                {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+            )
         elif m.get("tool_calls"):
-            calls = "\n".join(f'<tool_call>\n{{"name": {json.dumps(c["function"]["name"])}, "arguments": {c["function"].get("arguments") or "{}"}}}\n</tool_call>' for c in m["tool_calls"])
+            calls = "\n".join(
+                f'<tool_call>\n{{"name": {json.dumps(c["function"]["name"])}, "arguments": {c["function"].get("arguments") or "{}"}}}\n</tool_call>'
+                for c in m["tool_calls"]
+            )
             out.append({"role": "assistant", "content": (m.get("content") or "") + calls})
         else:
             out.append({"role": m["role"], "content": m["content"]})
     if tools:
-        prompt = TOOLS_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t["function"]) for t in tools))
+        prompt = TOOLS_SYSTEM_PROMPT.format(
+            tools="\n".join(json.dumps(t["function"]) for t in tools)
+        )
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + prompt}
         else:
@@ -420,28 +509,142 @@ def request_tool_calls(tokenizer, req) -> ToolCalls | None:
 # %% ../nbs/10_structured_outputs.ipynb #1b52795b
 _S = lambda n=24: {"type": "string", "maxLength": n}
 _I = lambda lo, hi: {"type": "integer", "minimum": lo, "maximum": hi}
-_O = lambda req, **props: {"type": "object", "properties": props, "required": req, "additionalProperties": False}
+_O = lambda req, **props: {
+    "type": "object",
+    "properties": props,
+    "required": req,
+    "additionalProperties": False,
+}
 SCHEMA_SUITE = [  # (prompt, schema)
     ("Describe a fictional person.", _O(["name", "age"], name=_S(), age=_I(0, 120))),
     ("Describe a book.", _O(["title", "year"], title=_S(40), year=_I(1400, 2030), author=_S())),
-    ("Give a weather report.", _O(["city", "celsius", "sky"], city=_S(), celsius=_I(-60, 60), sky={"enum": ["sunny", "cloudy", "rain", "snow"]})),
-    ("List three colours.", _O(["colors"], colors={"type": "array", "items": _S(12), "minItems": 3, "maxItems": 3})),
+    (
+        "Give a weather report.",
+        _O(
+            ["city", "celsius", "sky"],
+            city=_S(),
+            celsius=_I(-60, 60),
+            sky={"enum": ["sunny", "cloudy", "rain", "snow"]},
+        ),
+    ),
+    (
+        "List three colours.",
+        _O(["colors"], colors={"type": "array", "items": _S(12), "minItems": 3, "maxItems": 3}),
+    ),
     ("Rate a film from 1 to 5.", _O(["film", "stars"], film=_S(), stars=_I(1, 5))),
-    ("Give a product code like ABC-1234.", _O(["code"], code={"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"})),
-    ("Describe a company and its address.", _O(["name", "address"], name=_S(), address=_O(["street", "city"], street=_S(), city=_S(), zip={"type": "string", "pattern": "^[0-9]{5}$"}))),
-    ("Is water wet? Answer with a boolean and a reason.", _O(["answer", "reason"], answer={"type": "boolean"}, reason=_S(60))),
-    ("Give a point on a map.", _O(["lat", "lon"], lat={"type": "number", "minimum": -90, "maximum": 90}, lon={"type": "number", "minimum": -180, "maximum": 180})),
-    ("List up to four fruits with prices.", _O(["items"], items={"type": "array", "maxItems": 4, "items": _O(["fruit", "cents"], fruit=_S(12), cents=_I(1, 999))})),
-    ("Classify the sentiment of 'great food, slow service'.", _O(["label"], label={"enum": ["positive", "negative", "mixed"]})),
-    ("Give an email contact.", _O(["name", "email"], name=_S(), email={"type": "string", "pattern": "^[a-z]{1,10}@[a-z]{1,10}\\.com$"})),
-    ("Describe a recipe.", _O(["dish", "minutes", "steps"], dish=_S(), minutes=_I(1, 300), steps={"type": "array", "items": _S(40), "minItems": 1, "maxItems": 3})),
-    ("Describe a pet.", _O(["species", "name"], species={"enum": ["cat", "dog", "fish", "bird"]}, name=_S(), age=_I(0, 40))),
-    ("Give a date.", _O(["date"], date={"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"})),
-    ("Describe a team of two people.", _O(["team"], team={"type": "array", "minItems": 2, "maxItems": 2, "items": _O(["name", "role"], name=_S(), role={"enum": ["lead", "dev", "qa"]})})),
+    (
+        "Give a product code like ABC-1234.",
+        _O(["code"], code={"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"}),
+    ),
+    (
+        "Describe a company and its address.",
+        _O(
+            ["name", "address"],
+            name=_S(),
+            address=_O(
+                ["street", "city"],
+                street=_S(),
+                city=_S(),
+                zip={"type": "string", "pattern": "^[0-9]{5}$"},
+            ),
+        ),
+    ),
+    (
+        "Is water wet? Answer with a boolean and a reason.",
+        _O(["answer", "reason"], answer={"type": "boolean"}, reason=_S(60)),
+    ),
+    (
+        "Give a point on a map.",
+        _O(
+            ["lat", "lon"],
+            lat={"type": "number", "minimum": -90, "maximum": 90},
+            lon={"type": "number", "minimum": -180, "maximum": 180},
+        ),
+    ),
+    (
+        "List up to four fruits with prices.",
+        _O(
+            ["items"],
+            items={
+                "type": "array",
+                "maxItems": 4,
+                "items": _O(["fruit", "cents"], fruit=_S(12), cents=_I(1, 999)),
+            },
+        ),
+    ),
+    (
+        "Classify the sentiment of 'great food, slow service'.",
+        _O(["label"], label={"enum": ["positive", "negative", "mixed"]}),
+    ),
+    (
+        "Give an email contact.",
+        _O(
+            ["name", "email"],
+            name=_S(),
+            email={"type": "string", "pattern": "^[a-z]{1,10}@[a-z]{1,10}\\.com$"},
+        ),
+    ),
+    (
+        "Describe a recipe.",
+        _O(
+            ["dish", "minutes", "steps"],
+            dish=_S(),
+            minutes=_I(1, 300),
+            steps={"type": "array", "items": _S(40), "minItems": 1, "maxItems": 3},
+        ),
+    ),
+    (
+        "Describe a pet.",
+        _O(
+            ["species", "name"],
+            species={"enum": ["cat", "dog", "fish", "bird"]},
+            name=_S(),
+            age=_I(0, 40),
+        ),
+    ),
+    (
+        "Give a date.",
+        _O(["date"], date={"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"}),
+    ),
+    (
+        "Describe a team of two people.",
+        _O(
+            ["team"],
+            team={
+                "type": "array",
+                "minItems": 2,
+                "maxItems": 2,
+                "items": _O(["name", "role"], name=_S(), role={"enum": ["lead", "dev", "qa"]}),
+            },
+        ),
+    ),
     ("Give a colour in RGB.", _O(["r", "g", "b"], r=_I(0, 255), g=_I(0, 255), b=_I(0, 255))),
-    ("Summarise a meeting.", _O(["topic", "decisions"], topic=_S(40), decisions={"type": "array", "items": _S(40), "maxItems": 2}, urgent={"type": "boolean"})),
-    ("Describe a planet.", _O(["name", "moons", "rings"], name=_S(), moons=_I(0, 200), rings={"type": "boolean"}, mass={"type": "number"})),
-    ("Give a version number.", _O(["version"], version={"type": "string", "pattern": "^[0-9]{1,2}\\.[0-9]{1,2}\\.[0-9]{1,3}$"})),
+    (
+        "Summarise a meeting.",
+        _O(
+            ["topic", "decisions"],
+            topic=_S(40),
+            decisions={"type": "array", "items": _S(40), "maxItems": 2},
+            urgent={"type": "boolean"},
+        ),
+    ),
+    (
+        "Describe a planet.",
+        _O(
+            ["name", "moons", "rings"],
+            name=_S(),
+            moons=_I(0, 200),
+            rings={"type": "boolean"},
+            mass={"type": "number"},
+        ),
+    ),
+    (
+        "Give a version number.",
+        _O(
+            ["version"],
+            version={"type": "string", "pattern": "^[0-9]{1,2}\\.[0-9]{1,2}\\.[0-9]{1,3}$"},
+        ),
+    ),
 ]
 
 # %% ../nbs/10_structured_outputs.ipynb #4ee410c0
