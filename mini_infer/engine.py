@@ -22,6 +22,7 @@ from mini_infer.plugins import (
     KV_MANAGERS,
     POLICIES,
     SPECULATIVE,
+    STRUCTURED_OUTPUTS,
     load_plugin,
     load_backend,
 )
@@ -159,7 +160,10 @@ class LLMEngine:
                 self.memory.weights_bytes,
             )
             proposer, sampler = load_plugin(SPECULATIVE)(cfg.speculative_config, ctx)
-        self.scheduler = Scheduler(cfg, self.kv, proposer, load_plugin(POLICIES[cfg.policy]))
+        constraints = load_plugin(STRUCTURED_OUTPUTS)(tokenizer, model.config.vocab_size)
+        self.scheduler = Scheduler(
+            cfg, self.kv, proposer, load_plugin(POLICIES[cfg.policy]), constraints
+        )
         self.runner = ModelRunner(
             run_step, self.cache, model.config.vocab_size, model.device, sampler
         )

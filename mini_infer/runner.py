@@ -39,6 +39,7 @@ class NextTokenSampler:
         tokens, logprobs = self.sampler.sample(logits, batch)
         return [[t] for t in tokens.tolist()], [[lp] for lp in logprobs]
 
+
 # %% ../nbs/03_continuous_batching.ipynb #f03b0005
 class ModelRunner:
     """Runs a step: one `StepInputs` for the scheduler's plan, one forward, then the sampler over
@@ -66,6 +67,8 @@ class ModelRunner:
         wanted = [r for r in out.scheduled if r.num_logits]
         if not wanted:
             return RunnerOutput([], [], [])
+        if out.logits_processor is not None:  # chapter 10's grammar masks, after the forward
+            logits = out.logits_processor(logits)
         tokens, logprobs = self.sampler(logits, wanted, self._sampling_batch(wanted))
         for r, new in zip(wanted, tokens):
             self.requests[r.request_id].add(new)

@@ -41,6 +41,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; 0 = the chosen token's; n = chosen + top-n
+    # chapter 10's StructuredOutputsParams: a JSON schema, regex, choice or grammar to follow
+    structured_outputs: object = None
 
     def __post_init__(self):
         def check(ok, name, rule):

@@ -18,12 +18,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .sampling import SamplingParams, InvalidRequest
 from .outputs import as_prompt_list
 from .llm import LLM
+from .plugins import load_plugin
 from mini_infer.openai_api import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     parse_request,
     sampling_params,
+    TOOL_CALLS_API,
     chat_logprobs,
     completion_logprobs,
     usage,
@@ -198,6 +200,7 @@ class Generation:
         num_prompt_tokens: int,
         n: int = 1,
         cache_salt: str | None = None,
+        tools=None,
     ):
         self.engine, self.kind, self.tok, self.logprobs, self.num_prompt_tokens = (
             engine,
@@ -209,6 +212,7 @@ class Generation:
         # cached: choice -> its prompt tokens found in the prefix cache
         self.n, self.cache_salt, self.cached = (n, cache_salt, {})
         self.sink, self.rids, self.done = Sink(), [], set()
+        self.tools = tools  # chapter 10's ToolCalls: calls parsed out of the answers
         chat = kind == "chat"
         self.base = {
             "id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
@@ -280,10 +284,18 @@ class Generation:
             else completion_logprobs(self.tok, lps, offset)
         )
 
+    def _message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
+        "The assistant's message and finish reason; with tools, the calls parsed out of the text."
+        content, calls = self.tools.parse(text) if self.tools else (text, [])
+        if not calls:
+            return {"role": "assistant", "content": text}, reason
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
     async def stream(self, include_usage: bool = False):
         """SSE lines: (chat) a role chunk, text deltas, a finish chunk per choice, the usage if
-        asked, `[DONE]`."""
+        asked, `[DONE]`. With tools, a choice's text is held back and sent whole at its end."""
         chat, n, n_out, offsets = self.kind == "chat", len(self.rids), 0, collections.Counter()
+        held = collections.defaultdict(str)  # with tools: each choice's text so far
 
         def chunk(choices):
             return sse({
@@ -305,7 +317,15 @@ class Generation:
                 ])
             async for i, o in self._outputs():
                 n_out += len(o.new_token_ids)
-                if o.text_delta or (self.logprobs is not None and o.logprobs):
+                reason = o.finish_reason
+                if self.tools:
+                    held[i] += o.text_delta
+                    if o.finished:
+                        message, reason = self._message(held[i], reason)
+                        calls = [{"index": k, **c} for k, c in enumerate(message.get("tool_calls", []))]
+                        delta = {"content": message["content"], **({"tool_calls": calls} if calls else {})}
+                        yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+                elif o.text_delta or (self.logprobs is not None and o.logprobs):
                     delta = {"delta": {"content": o.text_delta}} if chat else {"text": o.text_delta}
                     yield chunk([
                         {
@@ -322,7 +342,7 @@ class Generation:
                             "index": i,
                             **({"delta": {}} if chat else {"text": ""}),
                             "logprobs": None,
-                            "finish_reason": o.finish_reason,
+                            "finish_reason": reason,
                         }
                     ])
             if include_usage:
@@ -364,11 +384,12 @@ class Generation:
             choices = [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": t},
+                    "message": message,
                     "logprobs": self._logprobs(lps[i]),
-                    "finish_reason": reasons[i],
+                    "finish_reason": reason,
                 }
                 for i, t in enumerate(texts)
+                for message, reason in [self._message(t, reasons[i])]
             ]
         else:
             choices = [
@@ -459,7 +480,9 @@ class OpenAIServer:
                 )
         return prompts, params
 
-    async def generate(self, request, req, prompt_ids, max_tokens, logprobs, param, kind):
+    async def generate(
+        self, request, req, prompt_ids, max_tokens, logprobs, param, kind, tools=None
+    ):
         "Both endpoints' work once the prompt is token ids; `kind` is 'chat' or 'completion'."
         prompts, params = self.expand(req, prompt_ids, max_tokens, logprobs)
         gen = Generation(
@@ -471,6 +494,7 @@ class OpenAIServer:
             sum(len(p) for p in prompt_ids),
             req.n,
             req.cache_salt,
+            tools,
         )
         await gen.submit(prompts, params, self.max_waiting, param)
         if not req.stream:
@@ -489,15 +513,24 @@ class OpenAIServer:
                 400, "'top_logprobs' requires 'logprobs' to be true", param="top_logprobs"
             )
         messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.text(),
+                **({"tool_calls": m.tool_calls} if m.tool_calls else {}),
+            }
             for m in req.messages
         ]
+        try:  # tools: rendered, enforced and parsed by chapter 10
+            tools = load_plugin(TOOL_CALLS_API)(self.tok, req)
+        except InvalidRequest as e:
+            raise APIError(400, str(e), param=e.param) from None
+        ids = tools.prompt_ids(messages) if tools else self.tok.encode_chat(messages)
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return await self.generate(
-            request, req, [self.tok.encode_chat(messages)], max_tokens, logprobs, "messages", "chat"
+            request, req, [ids], max_tokens, logprobs, "messages", "chat", tools
         )
 
     async def completions(self, request: Request):
