@@ -2,10 +2,11 @@
 error in them. The cell runs as written except that `torch.cuda` is a stand-in that says two T4s are there (Kaggle's machine), "cuda"
 is "cpu", the Hub's Qwen2.5 models are a tiny random Qwen2 (14 heads, 2 KV heads, as Qwen2.5-0.5B), and an
 `assert` is evaluated but not required to hold (random weights do not answer "Paris")."""
-import ast, json, shutil, types
+import ast, json, types
 from pathlib import Path
 import pytest
 import torch
+from conftest import save_tiny_qwen
 
 ROOT = Path(__file__).parent.parent
 HUB_MODELS = ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct")
@@ -22,20 +23,10 @@ def gpu_cells():
 
 @pytest.fixture(scope="module")
 def tiny_qwen(tmp_path_factory):
-    "A random Qwen2 with the bundled model's tokenizer, saved as a Hugging Face folder."
-    transformers = pytest.importorskip("transformers")
-    from mini_infer.loader import bundled_gguf_path, gguf_cache_dir, load_model
-    load_model("smollm2-135m")                      # converts the GGUF once, tokenizer files included
-    src, out = gguf_cache_dir(bundled_gguf_path()), tmp_path_factory.mktemp("tiny-qwen2")
-    cfg = transformers.Qwen2Config(vocab_size=49152, hidden_size=112, intermediate_size=160, num_hidden_layers=2,
-                                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=1024,
-                                   tie_word_embeddings=True)
-    torch.manual_seed(0)
-    transformers.Qwen2ForCausalLM(cfg).save_pretrained(out)
-    for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
-            shutil.copy(f, out / f.name)
-    return str(out)
+    "A random Qwen2 with 14 heads and 2 KV heads (as Qwen2.5-0.5B) and the bundled model's tokenizer."
+    return save_tiny_qwen(tmp_path_factory.mktemp("tiny-qwen2"), hidden_size=112, intermediate_size=160,
+                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=1024,
+                          tie_word_embeddings=True)
 
 
 class OnCPU(ast.NodeTransformer):

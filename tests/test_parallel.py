@@ -1,8 +1,9 @@
 """Chapter 9: sharded layers equal (column) or close to (row) the whole layer; the tensor-parallel engine over
 spawned gloo processes gives TP = 1's greedy tokens (TP = 2 on a tiny random Qwen2 with every scheduler feature on,
 TP = 3 on SmolLM2-135M); a killed worker raises within seconds; no process outlives a test; data-parallel routing."""
-import os, shutil, signal, time
+import os, signal, time
 import psutil, pytest, torch
+from conftest import save_tiny_qwen
 from mini_infer.layers import Shard, ColumnLinear, QKVLinear, RowLinear, VocabEmbedding, LMHead
 from mini_infer.llm import LLM
 from mini_infer.sampling import SamplingParams
@@ -96,19 +97,9 @@ def test_vocab_parallel_embedding_and_head():
 @pytest.fixture(scope="module")
 def tiny_qwen(tmp_path_factory):
     "A random Qwen2 with even heads (4 query, 2 KV), untied, with the bundled model's tokenizer."
-    transformers = pytest.importorskip("transformers")
-    from mini_infer.loader import bundled_gguf_path, gguf_cache_dir, load_model
-    load_model("smollm2-135m")
-    src, out = gguf_cache_dir(bundled_gguf_path()), tmp_path_factory.mktemp("tiny-qwen2-tp")
-    cfg = transformers.Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   tie_word_embeddings=False)
-    torch.manual_seed(0)
-    transformers.Qwen2ForCausalLM(cfg).save_pretrained(out)
-    for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
-            shutil.copy(f, out / f.name)
-    return str(out)
+    return save_tiny_qwen(tmp_path_factory.mktemp("tiny-qwen2-tp"), hidden_size=64, intermediate_size=128,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          tie_word_embeddings=False)
 
 
 def generate(model, prompts, sp, **kw):
