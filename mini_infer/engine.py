@@ -14,7 +14,7 @@ from .sampling import SamplingParams, InvalidRequest
 from .outputs import encode_prompt
 from .memory_plan import plan_memory, weights_bytes
 from .kv_cache import PagedKVCache
-from .scheduler import Sequence, Scheduler, SchedulerConfig, StepOutput
+from .scheduler import Sequence, Scheduler, SchedulerConfig, StepOutput, step_output
 from .runner import ModelRunner
 from mini_infer.plugins import (
     QUANTIZATIONS,
@@ -236,7 +236,7 @@ class LLMEngine:
             return
         seq.finish_reason = "abort"
         self.scheduler.finish(seq)
-        self.pending.append(self.scheduler.step_output(seq, [], "", None))
+        self.pending.append(step_output(seq, [], "", None))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.pending)

@@ -66,6 +66,17 @@ def test_chunked_prefill_and_decodes_share_a_step():
     assert steps[2][0][:2] == [("0", 1, True), ("1", 1, True)]       # decodes first, then the next prompt's chunk
 
 
+def test_finish_prompts_first_starts_no_prompt_with_a_sliver_of_the_budget():
+    first = run([5, 5, 5, 5], [2, 2, 2, 2], num_blocks=64, max_num_batched_tokens=8)
+    assert first[0] == ([("0", 5, False)], [])                       # 1 would get 3 of its 5 tokens: it waits
+    assert first[1] == ([("0", 1, True), ("1", 5, False)], [])        # decodes keep running; the next prompt whole
+    fill = run([5, 5, 5, 5], [2, 2, 2, 2], num_blocks=64, max_num_batched_tokens=8, finish_prompts_first=False)
+    assert fill[0] == ([("0", 5, False), ("1", 3, False)], [])       # the old rule: fill the budget to the last token
+    # a prompt longer than the budget still starts, chunked, in a step that holds no other prompt
+    long = run([4, 20], [3, 3], num_blocks=64, max_num_batched_tokens=8)
+    assert long[1] == ([("0", 1, True), ("1", 7, False)], [])
+
+
 def test_preemption_takes_the_newest_request_and_recomputes_it():
     steps = run([10, 6, 9], [8, 8, 8], num_blocks=12, max_num_batched_tokens=8, max_prefill_chunk=8)
     pre = [p for _, ps in steps for p in ps]
@@ -91,12 +102,12 @@ def test_whole_prompts_when_chunking_is_off():
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12)), min_size=1, max_size=10), st.integers(1, 32),
-       st.integers(1, 12), st.integers(1, 8), st.booleans(), st.integers(1, 4))
-def test_random_workloads_finish_within_the_rules(reqs, budget, chunk, seats, chunked, block_size):
+       st.integers(1, 12), st.integers(1, 8), st.booleans(), st.integers(1, 4), st.booleans())
+def test_random_workloads_finish_within_the_rules(reqs, budget, chunk, seats, chunked, block_size, whole):
     longest = max(n + m for n, m in reqs)
     num_blocks = -(-longest // block_size) + 2                       # room for the longest request, little more
     run([n for n, _ in reqs], [m for _, m in reqs], num_blocks, block_size, max_num_batched_tokens=budget,
-        max_prefill_chunk=chunk, max_num_seqs=seats, enable_chunked_prefill=chunked)
+        max_prefill_chunk=chunk, max_num_seqs=seats, enable_chunked_prefill=chunked, finish_prompts_first=whole)
 
 
 def test_proposed_tokens_are_scheduled_with_the_decode_within_the_budget():
