@@ -117,7 +117,7 @@ class _GenerationRequest(BaseModel):
     response_format: dict | None = None
     structured_outputs: dict | None = None
 
-
+# %% ../nbs/06_server.ipynb #b8d2e002
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
