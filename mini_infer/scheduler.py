@@ -179,7 +179,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # the order of the waiting queue; chapter 4 adds "longest_prefix"
     # start a waiting prompt only if its first chunk fits whole, unless no prompt is in the step
-    finish_prompts_first: bool = True
+    finish_prompts_first: bool = False
 
     def __post_init__(self):
         for k in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):

@@ -36,12 +36,12 @@ def engine(llm, **kw):
     dict(),                                                              # defaults: 512-token budget, chunked prefill on
     dict(max_num_batched_tokens=4096),                                   # a big budget: every prompt in the first step
     dict(max_num_batched_tokens=64, max_prefill_chunk=16),               # prompts split into many chunks
-    dict(max_num_batched_tokens=64, max_prefill_chunk=16, finish_prompts_first=False),  # chunks fill every budget
+    dict(max_num_batched_tokens=64, max_prefill_chunk=16, finish_prompts_first=True),  # a step's prompts finish first
     dict(max_num_batched_tokens=256, enable_chunked_prefill=False),      # whole prompts only
     dict(max_num_batched_tokens=32, enable_chunked_prefill=False, trace=True),  # prompts over the budget run alone
     dict(num_blocks=14, block_size=8, max_prefill_chunk=32),             # a pool for ~2 requests: forced preemption
     dict(max_num_seqs=5),                                                # few seats
-], ids=["default", "big-budget", "chunked", "chunked-fill", "unchunked", "unchunked-long", "preempt", "few-seats"])
+], ids=["default", "big-budget", "chunked", "chunked-finish-first", "unchunked", "unchunked-long", "preempt", "few-seats"])
 def test_batched_equals_alone(llm, workload, alone, kw):
     prompts, params = workload
     eng = engine(llm, **kw)

@@ -67,13 +67,13 @@ def test_chunked_prefill_and_decodes_share_a_step():
 
 
 def test_finish_prompts_first_starts_no_prompt_with_a_sliver_of_the_budget():
-    first = run([5, 5, 5, 5], [2, 2, 2, 2], num_blocks=64, max_num_batched_tokens=8)
+    first = run([5, 5, 5, 5], [2, 2, 2, 2], num_blocks=64, max_num_batched_tokens=8, finish_prompts_first=True)
     assert first[0] == ([("0", 5, False)], [])                       # 1 would get 3 of its 5 tokens: it waits
     assert first[1] == ([("0", 1, True), ("1", 5, False)], [])        # decodes keep running; the next prompt whole
-    fill = run([5, 5, 5, 5], [2, 2, 2, 2], num_blocks=64, max_num_batched_tokens=8, finish_prompts_first=False)
-    assert fill[0] == ([("0", 5, False), ("1", 3, False)], [])       # the old rule: fill the budget to the last token
+    fill = run([5, 5, 5, 5], [2, 2, 2, 2], num_blocks=64, max_num_batched_tokens=8)
+    assert fill[0] == ([("0", 5, False), ("1", 3, False)], [])       # the default: fill the budget to the last token
     # a prompt longer than the budget still starts, chunked, in a step that holds no other prompt
-    long = run([4, 20], [3, 3], num_blocks=64, max_num_batched_tokens=8)
+    long = run([4, 20], [3, 3], num_blocks=64, max_num_batched_tokens=8, finish_prompts_first=True)
     assert long[1] == ([("0", 1, True), ("1", 7, False)], [])
 
 
