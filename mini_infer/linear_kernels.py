@@ -13,7 +13,7 @@ from .kernel_build import SIMD_C, KernelLibrary, load_library, native_target
 _PTR, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
 # %% ../nbs/07_cpu_kernels.ipynb #324812e6
-_TILE_C = r"""
+_TILE_SIZES_C = r"""
 #if VL == 16
 #define MR 12 /* rows of a tile: what the 32 vector registers hold */
 #define GR 6
@@ -23,8 +23,10 @@ _TILE_C = r"""
 #endif
 #define NB (2 * VL) /* columns per panel: two vectors */
 #define PAIR_ROWS 256 /* from this many rows on, panels go in pairs */
+"""
 
-/* y[R rows, nc <= NB columns] = x[R, K] @ panel w [K, NB] + b[NB] (b may be NULL); while at it,
+# %% ../nbs/07_cpu_kernels.ipynb #33b8c2c3
+_TILE_C = _TILE_SIZES_C + r"""/* y[R rows, nc <= NB columns] = x[R, K] @ panel w [K, NB] + b[NB] (b may be NULL); while at it,
    prefetch npf cache lines from pf (the next panel) into L2, evenly spaced over the k loop: a burst
    of prefetches fills the core's few miss buffers and stalls the arithmetic. Each output is one
    chain of FMAs over k in order: the same result whatever R is. */
@@ -494,7 +496,7 @@ def bf16_kernels() -> KernelLibrary | None:
     if linear_kernels() is None or "__AVX512BF16__" not in native_target(os.environ.get("CC", "cc")):
         return None
     return load_library(
-        SIMD_C + _TILE_C + _PANEL_OUT_C + BF16_C,
+        SIMD_C + _TILE_SIZES_C + _PANEL_OUT_C + BF16_C,
         "bf16_kernels",
         {"linear_bf16": ([_PTR] * 3 + [_PTR, _SIZE] * 3 + [_SIZE] * 2 + [ctypes.c_int] * 2, None)},
     )
@@ -540,7 +542,7 @@ def kernel_applies(x: torch.Tensor) -> bool:
     PyTorch's path."""
     return x.device.type == "cpu" and x.dtype == torch.float32 and linear_kernels() is not None
 
-
+# %% ../nbs/07_cpu_kernels.ipynb #0d4626b3
 def pack_layer(weight, bias, sizes: list[int], glu: bool, nb: int):
     """A layer's dense `weight` [sum(sizes), K] and `bias` as panels: a SwiGLU layer's gate and up
     side by side (`pack_glu`), else each output into its own whole panels, one after another; the
@@ -589,8 +591,7 @@ def bf16_panels(layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
 # %% ../nbs/07_cpu_kernels.ipynb #cf83891c
 class PackedMethod(LinearMethod):
     """Chapter 7's products: the weight packed into panels (`pack_layer`) in place of the [out, in]
-    one, and the C kernels for CPU float32 activations; bf16 products for long steps where the CPU
-    has them (`bf16_panels`)."""
+    one; the C kernels for CPU float32 activations, in bf16 for long steps (`bf16_panels`)."""
 
     def process_weights(self, layer: LinearBase):
         if not isinstance(layer.method, PackedMethod):
@@ -598,8 +599,7 @@ class PackedMethod(LinearMethod):
             layer.set_weights(*pack_layer(*layer.method.dense(layer), layer.output_sizes, glu, nb))
 
     def dense(self, layer: LinearBase):
-        glu = getattr(layer, "fused_glu", False)
-        return unpack_layer(layer.weight, layer.bias, layer.output_sizes, glu)
+        return unpack_layer(layer.weight, layer.bias, layer.output_sizes, getattr(layer, "fused_glu", False))
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         if len(layer.output_sizes) > 1:
