@@ -299,6 +299,12 @@ def test_pool_zeros():
 needs_bf16 = pytest.mark.skipif(not bf16_products(), reason="no bf16 dot products (AVX512_BF16) on this CPU")
 
 
+@pytest.fixture
+def bf16_on(monkeypatch):
+    "The bf16 products on again (conftest turns them off for the rest of the suite)."
+    monkeypatch.delenv("MINI_INFER_NO_BF16", raising=False)
+
+
 def _bf16_bound(x, W, b=None):
     "Rounding both inputs of each product to bf16, then float32 sums: the elementwise error bound."
     K, u, ub = x.shape[-1], 2.0 ** -24, 2.0 ** -8
@@ -308,7 +314,7 @@ def _bf16_bound(x, W, b=None):
 
 @needs_bf16
 @pytest.mark.parametrize("M,N,K", [(1, 70, 33), (64, 100, 48), (300, 197, 576), (193, 32, 1536)])
-def test_bf16_products_within_their_error_bound(M, N, K):
+def test_bf16_products_within_their_error_bound(M, N, K, bf16_on):
     "Odd K, partial panels, an odd panel left over, a partial block of rows: within the bound; SwiGLU as from rounded inputs."
     nb = linear_kernels().packed_block()
     g = torch.Generator().manual_seed(M)
@@ -324,7 +330,7 @@ def test_bf16_products_within_their_error_bound(M, N, K):
 
 
 @needs_bf16
-def test_bf16_several_outputs_and_bad_input():
+def test_bf16_several_outputs_and_bad_input(bf16_on):
     nb = linear_kernels().packed_block()
     Ws = [torch.randn(n, 48) for n in (70, 32, 5)]
     packed = pack_bf16(torch.cat([pack_weight(W, nb) for W in Ws]))
@@ -339,7 +345,7 @@ def test_bf16_several_outputs_and_bad_input():
 
 
 @needs_bf16
-def test_packed_method_takes_bf16_for_long_steps_only(monkeypatch):
+def test_packed_method_takes_bf16_for_long_steps_only(monkeypatch, bf16_on):
     "Short steps: the float32 bits as before; long steps: bf16 within the bound; the off switch; a weight change is seen."
     layer = LinearBase(96, [80], bias=False)
     W = layer.weight.detach().clone()
