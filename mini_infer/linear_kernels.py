@@ -502,12 +502,12 @@ def bf16_kernels() -> KernelLibrary | None:
     )
 
 # %% ../nbs/07_cpu_kernels.ipynb #6f2cbef4
-BF16_MIN_ROWS = 64  # steps with at least this many rows take the bf16 products
+BF16_MIN_ROWS = 64  # with $MINI_INFER_BF16=1, steps of at least this many rows take bf16 products
 
 
 def bf16_products() -> bool:
-    "Whether long steps use bf16 products here: the CPU has them, and $MINI_INFER_NO_BF16 is unset."
-    return not os.environ.get("MINI_INFER_NO_BF16") and bf16_kernels() is not None
+    "Whether long steps use bf16 products: asked for ($MINI_INFER_BF16=1), and the CPU has them."
+    return os.environ.get("MINI_INFER_BF16") == "1" and bf16_kernels() is not None
 
 
 def pack_bf16(packed: torch.Tensor) -> torch.Tensor:
@@ -580,7 +580,7 @@ def unpack_layer(w, b, sizes: list[int], glu: bool):
 # %% ../nbs/07_cpu_kernels.ipynb #02d972be
 def bf16_panels(layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
     """`layer`'s panels as bf16 pairs when `x` is a long step (`BF16_MIN_ROWS` rows or more) and
-    the CPU has bf16 products, else None. Made at the first long step (a decode-only run never
+    bf16 products are on (`bf16_products`), else None. Made at the first long step (a decode-only run never
     holds them), and again after the weights change."""
     if x.numel() < BF16_MIN_ROWS * x.shape[-1] or not bf16_products():
         return None

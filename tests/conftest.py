@@ -16,11 +16,3 @@ def save_tiny_qwen(out, **config) -> str:
         if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
             shutil.copy(f, out / f.name)
     return str(out)
-
-
-@pytest.fixture(autouse=True)
-def float32_products(monkeypatch):
-    """Token-for-token comparisons between backends and against transformers assume float32 products:
-    chapter 7's bf16 products for long steps are tested on their own, against their error bound
-    (test_cpu_kernels.py, which turns them back on)."""
-    monkeypatch.setenv("MINI_INFER_NO_BF16", "1")

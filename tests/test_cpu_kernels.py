@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from mini_infer.kernel_build import native_target
 from mini_infer.linear_kernels import (linear_kernels, pack_weight, pack_glu, linear_packed, linear_glu_packed, PackedMethod,
-                                       BF16_MIN_ROWS, bf16_products, pack_bf16, linear_bf16)
+                                       BF16_MIN_ROWS, bf16_kernels, pack_bf16, linear_bf16)
 from mini_infer.attention_kernels import CPUAttention, paged_decode_kernel, paged_prefill_kernel, pool_zeros
 from mini_infer.cpu_backend import CPUBackend, KernelOps
 from mini_infer.layers import LinearBase, ColumnLinear, GateUpLinear, LinearMethod
@@ -296,13 +296,13 @@ def test_pool_zeros():
 
 
 # ---------------------------------------------------------------- bf16 products for long steps
-needs_bf16 = pytest.mark.skipif(not bf16_products(), reason="no bf16 dot products (AVX512_BF16) on this CPU")
+needs_bf16 = pytest.mark.skipif(bf16_kernels() is None, reason="no bf16 dot products (AVX512_BF16) on this CPU")
 
 
 @pytest.fixture
 def bf16_on(monkeypatch):
-    "The bf16 products on again (conftest turns them off for the rest of the suite)."
-    monkeypatch.delenv("MINI_INFER_NO_BF16", raising=False)
+    "The engine's bf16 products asked for ($MINI_INFER_BF16=1; off by default)."
+    monkeypatch.setenv("MINI_INFER_BF16", "1")
 
 
 def _bf16_bound(x, W, b=None):
@@ -356,9 +356,9 @@ def test_packed_method_takes_bf16_for_long_steps_only(monkeypatch, bf16_on):
         y = layer(long)
         assert not torch.equal(y, linear_packed(long, layer.weight, 80))
         assert ((y.double() - long.double() @ W.double().T).abs() <= _bf16_bound(long, W)).all()
-        monkeypatch.setenv("MINI_INFER_NO_BF16", "1")
+        monkeypatch.delenv("MINI_INFER_BF16")   # the default: float32 products for every step
         assert torch.equal(layer(long), linear_packed(long, layer.weight, 80))
-        monkeypatch.delenv("MINI_INFER_NO_BF16")
+        monkeypatch.setenv("MINI_INFER_BF16", "1")
         with torch.no_grad(): layer.weight.mul_(-1)
         layer.weights_version += 1   # what set_weights and the quantizers do
         torch.testing.assert_close(layer(long), -y)
