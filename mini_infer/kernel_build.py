@@ -26,7 +26,7 @@ def native_target(cc: str) -> str:
         raise OSError(f"`{cc} -march=native` failed: {r.stderr.strip()[-1000:]}")
     return "\n".join(sorted(r.stdout.splitlines()))
 
-
+# %% ../nbs/07_cpu_kernels.ipynb #da970aa8
 def compile_library(src: str, flags: list[str], name: str) -> Path:
     """Compile `src` to `name-<key>.so` in the cache folder, once per source, flags, compiler and
     CPU."""
@@ -138,7 +138,7 @@ def _word(argtype, a) -> int:
     return (a or 0) & 0xFFFFFFFFFFFFFFFF
 
 # %% ../nbs/07_cpu_kernels.ipynb #a8f7cc5d
-SIMD_C = r"""
+_VECTORS_C = r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -155,7 +155,10 @@ SIMD_C = r"""
 #endif
 typedef float vf __attribute__((vector_size(4 * VL)));
 typedef int32_t vi __attribute__((vector_size(4 * VL)));
+"""
 
+# %% ../nbs/07_cpu_kernels.ipynb #463e4978
+_VEXP_C = r"""
 /* e^x lane by lane, for a float vector type vf and an int32 one vi of as many lanes (Cephes' expf:
    2^n times a degree-6 polynomial on [-ln2/2, ln2/2]; ~1 ulp). Below -87, 0; above 88.37, e^88.37
    (~2.6e38). Chapter 7's kernels use it too. */
@@ -178,3 +181,5 @@ static inline vf vexp(vf x) {
     return (vf)((vi)(p * scale) & ~under);
 }
 """
+
+SIMD_C = _VECTORS_C + _VEXP_C

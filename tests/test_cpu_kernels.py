@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from mini_infer.kernel_build import native_target
-from mini_infer.linear_kernels import linear_kernels, pack_weight, pack_glu, linear_packed, linear_glu_packed, PackedMethod
+from mini_infer.linear_kernels import (linear_kernels, pack_weight, pack_glu, linear_packed, linear_glu_packed, PackedMethod,
+                                       BF16_MIN_ROWS, bf16_kernels, pack_bf16, linear_bf16)
 from mini_infer.attention_kernels import CPUAttention, paged_decode_kernel, paged_prefill_kernel, pool_zeros
 from mini_infer.cpu_backend import CPUBackend, KernelOps
 from mini_infer.layers import LinearBase, ColumnLinear, GateUpLinear, LinearMethod
@@ -292,3 +293,72 @@ def test_pool_zeros():
         t[1, -1] = 1
         assert t.sum() == 16 * 3 * 64
     if hasattr(mmap, "MADV_HUGEPAGE"): assert PagedKVCache(attn_cfg(), 10, 4, backend=CPUAttention()).k.data_ptr() % (2 << 20) == 0
+
+
+# ---------------------------------------------------------------- bf16 products for long steps
+needs_bf16 = pytest.mark.skipif(bf16_kernels() is None, reason="no bf16 dot products (AVX512_BF16) on this CPU")
+
+
+@pytest.fixture
+def bf16_on(monkeypatch):
+    "The engine's bf16 products asked for ($MINI_INFER_BF16=1; off by default)."
+    monkeypatch.setenv("MINI_INFER_BF16", "1")
+
+
+def _bf16_bound(x, W, b=None):
+    "Rounding both inputs of each product to bf16, then float32 sums: the elementwise error bound."
+    K, u, ub = x.shape[-1], 2.0 ** -24, 2.0 ** -8
+    mag = x.double().abs() @ W.double().abs().T + (0 if b is None else b.double().abs())
+    return ((1 + ub) ** 2 * (1 + K * u / (1 - K * u)) - 1) * mag
+
+
+@needs_bf16
+@pytest.mark.parametrize("M,N,K", [(1, 70, 33), (64, 100, 48), (300, 197, 576), (193, 32, 1536)])
+def test_bf16_products_within_their_error_bound(M, N, K, bf16_on):
+    "Odd K, partial panels, an odd panel left over, a partial block of rows: within the bound; SwiGLU as from rounded inputs."
+    nb = linear_kernels().packed_block()
+    g = torch.Generator().manual_seed(M)
+    x, W, Wu, b = (torch.randn(M, K, generator=g), torch.randn(N, K, generator=g), torch.randn(N, K, generator=g),
+                   torch.randn(N, generator=g))
+    y = linear_bf16(x, pack_bf16(pack_weight(W, nb)), N, F.pad(b, (0, -N % nb)))
+    exact = torch.addmm(b.double(), x.double(), W.double().T)
+    assert ((y.double() - exact).abs() <= _bf16_bound(x, W, b)).all()
+    glu = linear_bf16(x, pack_bf16(pack_glu(W, Wu, nb)), N, glu=True)
+    xb, Wb, Wub = (t.bfloat16().double() for t in (x, W, Wu))
+    want = F.silu(xb @ Wb.T) * (xb @ Wub.T)
+    torch.testing.assert_close(glu.double(), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())   # float32 sums of exact products
+
+
+@needs_bf16
+def test_bf16_several_outputs_and_bad_input(bf16_on):
+    nb = linear_kernels().packed_block()
+    Ws = [torch.randn(n, 48) for n in (70, 32, 5)]
+    packed = pack_bf16(torch.cat([pack_weight(W, nb) for W in Ws]))
+    x = torch.randn(100, 48)
+    for y, W in zip(linear_bf16(x, packed, [70, 32, 5]), Ws):
+        assert ((y.double() - x.double() @ W.double().T).abs() <= _bf16_bound(x, W)).all()
+    with pytest.raises(ValueError): linear_bf16(torch.randn(4, 50), packed, [70, 32, 5])          # wrong K
+    with pytest.raises(ValueError): linear_bf16(x.double(), packed, [70, 32, 5])                  # wrong dtype
+    with pytest.raises(ValueError): linear_bf16(x, packed.float(), [70, 32, 5])                   # not bf16 panels
+    with pytest.raises(ValueError): linear_bf16(x, packed, [70, 32])                              # panels left over
+    with pytest.raises(ValueError): linear_bf16(x, packed, [70, 32, 5], glu=True)                 # glu: one output
+
+
+@needs_bf16
+def test_packed_method_takes_bf16_for_long_steps_only(monkeypatch, bf16_on):
+    "Short steps: the float32 bits as before; long steps: bf16 within the bound; the off switch; a weight change is seen."
+    layer = LinearBase(96, [80], bias=False)
+    W = layer.weight.detach().clone()
+    layer.set_method(PackedMethod())
+    short, long = torch.randn(BF16_MIN_ROWS - 1, 96), torch.randn(BF16_MIN_ROWS, 96)
+    with torch.inference_mode():
+        assert torch.equal(layer(short), linear_packed(short, layer.weight, 80))
+        y = layer(long)
+        assert not torch.equal(y, linear_packed(long, layer.weight, 80))
+        assert ((y.double() - long.double() @ W.double().T).abs() <= _bf16_bound(long, W)).all()
+        monkeypatch.delenv("MINI_INFER_BF16")   # the default: float32 products for every step
+        assert torch.equal(layer(long), linear_packed(long, layer.weight, 80))
+        monkeypatch.setenv("MINI_INFER_BF16", "1")
+        with torch.no_grad(): layer.weight.mul_(-1)
+        layer.weights_version += 1   # what set_weights and the quantizers do
+        torch.testing.assert_close(layer(long), -y)
