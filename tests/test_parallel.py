@@ -339,3 +339,48 @@ def test_server_answers_503_after_a_worker_dies(tiny_qwen):
             assert h.status_code == 503 and "dead" in h.json()["error"]["message"]
         finally:
             server.stop()
+
+
+class CountingOpen:
+    "`safe_open` that counts the bytes of every tensor (or slice of one) read through it."
+    def __init__(self, real):
+        self.real, self.nbytes = real, 0
+
+    def __call__(self, *a, **kw):
+        h, counter = self.real(*a, **kw), self
+
+        class Slice:
+            def __init__(self, s): self.s = s
+            def get_shape(self): return self.s.get_shape()
+            def __getitem__(self, idx):
+                t = self.s[idx]; counter.nbytes += t.numel() * t.element_size(); return t
+
+        class Handle:
+            def keys(self): return h.keys()
+            def get_slice(self, name): return Slice(h.get_slice(name))
+            def get_tensor(self, name):
+                t = h.get_tensor(name); counter.nbytes += t.numel() * t.element_size(); return t
+        return Handle()
+
+
+def test_sharded_loading_reads_only_the_ranks_slices(tiny_qwen, monkeypatch):
+    "Each rank's tensors equal the slices of the whole checkpoint's, and it reads only ~1/N of the split weights."
+    from safetensors.torch import load_file
+    import mini_infer.loader as loader
+    from mini_infer.model import CausalLM, ModelConfig
+    from pathlib import Path
+    full = load_file(str(Path(tiny_qwen) / "model.safetensors"))
+    total = sum(t.numel() * t.element_size() for t in full.values())
+    unsplit = sum(t.numel() * t.element_size() for k, t in full.items() if t.dim() == 1 and "norm" in k)
+    cfg, n = ModelConfig.from_json(Path(tiny_qwen) / "config.json"), 2
+    for r in range(n):
+        counting = CountingOpen(loader.safe_open)
+        monkeypatch.setattr(loader, "safe_open", counting)
+        lazy = loader.load_safetensors(tiny_qwen, "cpu", torch.float32, shard=Shard(r, n))
+        monkeypatch.undo()
+        eager = CausalLM(cfg, shard=Shard(r, n))            # the same rank from whole tensors, narrowed in memory
+        eager.load_weights(full.items())
+        for (name, a), (_, b) in zip(lazy.state_dict().items(), eager.state_dict().items()):
+            assert torch.equal(a, b), name
+        assert counting.nbytes <= (total - unsplit) / n + unsplit, (counting.nbytes, total)
+        assert counting.nbytes < 0.55 * total
