@@ -9,7 +9,7 @@ __all__ = ['STARTUP_TIMEOUT', 'STEP_TIMEOUT', 'IDLE_TIMEOUT', 'rank_config', 'Di
            'init_rank', 'load_rank', 'broadcast', 'worker_main', 'WorkerDied', 'WorkerProcs', 'Workers',
            'TensorParallelRunner', 'TensorParallelEngine', 'decode_step_seconds', 'time_collectives',
            'ring_all_reduce_seconds', 'QueueRouter', 'prefix_keys', 'PrefixRouter', 'chat_workload', 'simulate_chat',
-           'DataParallelEngine']
+           'Replicas', 'DataParallelEngine']
 
 # %% ../nbs/09_scaling_out.ipynb #fd58a070
 import heapq, os, shutil, statistics, tempfile, time, weakref
@@ -412,27 +412,52 @@ def simulate_chat(engines, router, conversations: list[list[str]], params: Sampl
     return dict(hit_rate=h / q, ttft=sorted(ttft))
 
 # %% ../nbs/09_scaling_out.ipynb #de32706e
-class DataParallelEngine:
-    """`data_parallel_size` engine replicas behind one engine's interface: `router` picks each
-    request's replica (prefix affinity by default); a step steps every replica that has work, in
-    threads, and returns all their outputs."""
+class Replicas:
+    """`data_parallel_size` whole engines read as one: their requests, whether any has work, their
+    counters summed. Nothing crosses between them."""
 
-    def __init__(self, model: str | None, device, dtype, config: EngineConfig, router=None):
+    def __init__(self, model: str | None, device, dtype, config: EngineConfig):
         if config.tensor_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 needs one process "
                              "per replica (one server each, behind a router)")
-        n, one = config.data_parallel_size, replace(config, data_parallel_size=1)
-        self.replicas = [LLMEngine(*load_model(model, device=device, dtype=dtype), one) for _ in range(n)]
-        self.router = router or PrefixRouter(n, config.block_size)
+        one = replace(config, data_parallel_size=1)
+        self.replicas = [LLMEngine(*load_model(model, device=device, dtype=dtype), one)
+                         for _ in range(config.data_parallel_size)]
         self.model, self.tokenizer = self.replicas[0].model, self.replicas[0].tokenizer
         self.max_model_len = min(e.max_model_len for e in self.replicas)
-        self.where: dict[str, LLMEngine] = {}  # request id -> its replica
-        self.pool = ThreadPoolExecutor(n, thread_name_prefix="dp-replica")
 
     @property
     def seqs(self) -> ChainMap:
         "The requests in the replicas, by id (a live view, as `LLMEngine.seqs` is)."
         return ChainMap(*(e.seqs for e in self.replicas))
+
+    def has_unfinished(self) -> bool:
+        return any(e.has_unfinished() for e in self.replicas)
+
+    def stats(self) -> dict:
+        "The replicas' counters, summed."
+        total = {}
+        for e in self.replicas:
+            for k, v in e.stats().items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def close(self):
+        for e in self.replicas:
+            e.close()
+
+# %% ../nbs/09_scaling_out.ipynb #41ac2851
+class DataParallelEngine(Replicas):
+    """The replicas behind one engine's interface: `router` picks each request's replica (prefix
+    affinity by default); a step steps every replica that has work, in threads, and returns all
+    their outputs."""
+
+    def __init__(self, model: str | None, device, dtype, config: EngineConfig, router=None):
+        super().__init__(model, device, dtype, config)
+        n = len(self.replicas)
+        self.router = router or PrefixRouter(n, config.block_size)
+        self.where: dict[str, LLMEngine] = {}  # request id -> its replica
+        self.pool = ThreadPoolExecutor(n, thread_name_prefix="dp-replica")
 
     def add_request(self, prompt, params=None, request_id=None, priority: int = 0, cache_salt=None) -> str:
         "Route the request to a replica and queue it there; its id."
@@ -448,9 +473,6 @@ class DataParallelEngine:
         if (engine := self.where.pop(request_id, None)) is not None:
             engine.abort(request_id)
 
-    def has_unfinished(self) -> bool:
-        return any(e.has_unfinished() for e in self.replicas)
-
     def step(self) -> list:
         "One step of every replica with work, side by side; all their outputs."
         busy = [e for e in self.replicas if e.has_unfinished()]
@@ -460,15 +482,6 @@ class DataParallelEngine:
                 self.where.pop(o.request_id, None)
         return outs
 
-    def stats(self) -> dict:
-        "The replicas' counters, summed."
-        total = {}
-        for e in self.replicas:
-            for k, v in e.stats().items():
-                total[k] = total.get(k, 0) + v
-        return total
-
     def close(self):
         self.pool.shutdown()
-        for e in self.replicas:
-            e.close()
+        super().close()
