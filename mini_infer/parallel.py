@@ -93,7 +93,7 @@ def init_rank(rank: int, size: int, init_method: str, device: torch.device):
     model_group = dist.new_group(backend=backend, timeout=STEP_TIMEOUT)
     return DistShard(rank, size, model_group), dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
-
+# %% ../nbs/09_scaling_out.ipynb #afe4c6da
 def load_rank(model: str | None, device, dtype, shard: DistShard):
     "This rank's slices of the model (and the tokenizer), its config the rank's view."
     m, tokenizer = load_model(model, device=device, dtype=dtype, shard=shard)
