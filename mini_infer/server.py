@@ -31,7 +31,7 @@ from mini_infer.openai_api import (
     usage,
     sse,
 )
-from .async_engine import AsyncEngine, Sink, log
+from .async_engine import AsyncEngine, EngineDead, Sink, log
 
 # %% ../nbs/06_server.ipynb #bb0e543c
 def serve(
@@ -132,11 +132,15 @@ def run_sync(coro):
 # %% ../nbs/06_server.ipynb #7c2fc15a
 def _add_error_handlers(app: FastAPI):
     """Every error as OpenAI-shaped JSON: ours, FastAPI's own (404, 405), and anything unexpected
-    (500, logged)."""
+    (500, logged); 503 once the engine is dead."""
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(EngineDead)
+    async def _engine_dead(request, e):
+        return JSONResponse(APIError(503, str(e), "server_error").body(), status_code=503)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e):
@@ -556,6 +560,8 @@ class OpenAIServer:
         return {"object": "list", "data": [model]}
 
     async def health(self):
+        if self.engine.dead is not None:
+            raise APIError(503, f"the engine is dead: {self.engine.dead}", "server_error")
         if not self.engine.thread.is_alive():
             raise APIError(503, "engine thread is not running", "server_error")
         return {"status": "ok"}

@@ -290,3 +290,97 @@ def test_server_with_data_parallel_size(tiny_qwen):
             assert "generation_tokens_total" in httpx.get(server.url + "/metrics", timeout=10).text
         finally:
             server.stop()
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from mini_infer.llm import LLM
+from mini_infer.sampling import SamplingParams
+model, prompts, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+# every rank runs this line; ranks 1.. serve rank 0's steps inside it and exit when rank 0 closes
+with LLM(model, device="cpu", dtype="float32", tensor_parallel_size=2, kv_cache_memory_gb=0.05) as llm:
+    res = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+json.dump([o.token_ids for o in res], open(out, "w"))
+"""
+
+
+def test_torchrun_standalone_equals_tp1(tiny_qwen, tmp_path):
+    "The multi-machine launch in its one-machine form: `torchrun --standalone --nproc-per-node 2` (env:// rendezvous)."
+    import json, subprocess, sys
+    script, out = tmp_path / "tp_script.py", tmp_path / "tokens.json"
+    script.write_text(TORCHRUN_SCRIPT)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        str(script), tiny_qwen, json.dumps(PROMPTS), str(out)],
+                       capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ref = generate(tiny_qwen, PROMPTS, SamplingParams(max_tokens=12, temperature=0), kv_cache_memory_gb=0.05)
+    assert json.loads(out.read_text()) == [o.token_ids for o in ref]
+
+
+def test_server_answers_503_after_a_worker_dies(tiny_qwen):
+    "A killed worker: the request in flight fails with 503 within seconds, later ones get 503, /health fails; no hang."
+    import httpx
+    from mini_infer.server import build_app, ServerThread
+    with LLM(tiny_qwen, device="cpu", dtype="float32", tensor_parallel_size=2, kv_cache_memory_gb=0.05) as llm:
+        server = ServerThread(build_app(llm))
+        try:
+            body = dict(model=llm.model_name, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+            assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+            assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+            worker = llm.engine.workers.procs[0]
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.join(10)
+            t0 = time.monotonic()
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 503 and "tp-rank-1" in r.json()["error"]["message"], r.text
+            assert time.monotonic() - t0 < 20
+            assert httpx.post(server.url + "/v1/completions", json=body, timeout=10).status_code == 503
+            h = httpx.get(server.url + "/health", timeout=10)
+            assert h.status_code == 503 and "dead" in h.json()["error"]["message"]
+        finally:
+            server.stop()
+
+
+class CountingOpen:
+    "`safe_open` that counts the bytes of every tensor (or slice of one) read through it."
+    def __init__(self, real):
+        self.real, self.nbytes = real, 0
+
+    def __call__(self, *a, **kw):
+        h, counter = self.real(*a, **kw), self
+
+        class Slice:
+            def __init__(self, s): self.s = s
+            def get_shape(self): return self.s.get_shape()
+            def __getitem__(self, idx):
+                t = self.s[idx]; counter.nbytes += t.numel() * t.element_size(); return t
+
+        class Handle:
+            def keys(self): return h.keys()
+            def get_slice(self, name): return Slice(h.get_slice(name))
+            def get_tensor(self, name):
+                t = h.get_tensor(name); counter.nbytes += t.numel() * t.element_size(); return t
+        return Handle()
+
+
+def test_sharded_loading_reads_only_the_ranks_slices(tiny_qwen, monkeypatch):
+    "Each rank's tensors equal the slices of the whole checkpoint's, and it reads only ~1/N of the split weights."
+    from safetensors.torch import load_file
+    import mini_infer.loader as loader
+    from mini_infer.model import CausalLM, ModelConfig
+    from pathlib import Path
+    full = load_file(str(Path(tiny_qwen) / "model.safetensors"))
+    total = sum(t.numel() * t.element_size() for t in full.values())
+    unsplit = sum(t.numel() * t.element_size() for k, t in full.items() if t.dim() == 1 and "norm" in k)
+    cfg, n = ModelConfig.from_json(Path(tiny_qwen) / "config.json"), 2
+    for r in range(n):
+        counting = CountingOpen(loader.safe_open)
+        monkeypatch.setattr(loader, "safe_open", counting)
+        lazy = loader.load_safetensors(tiny_qwen, "cpu", torch.float32, shard=Shard(r, n))
+        monkeypatch.undo()
+        eager = CausalLM(cfg, shard=Shard(r, n))            # the same rank from whole tensors, narrowed in memory
+        eager.load_weights(full.items())
+        for (name, a), (_, b) in zip(lazy.state_dict().items(), eager.state_dict().items()):
+            assert torch.equal(a, b), name
+        assert counting.nbytes <= (total - unsplit) / n + unsplit, (counting.nbytes, total)
+        assert counting.nbytes < 0.55 * total
