@@ -40,14 +40,14 @@ class PagedKVCache(KVCache):
         """`StepInputs` for rows (token ids, position of the first, the row's blocks, number of
         logits wanted for its last tokens), rows of one token first. Built once, on the device,
         checked against the pool, planned by the backend."""
-        ids, pos, slots, qlens, ctx, logits, tables, B = [], [], [], [], [], [], [], self.block_size
+        ids, pos, slots, qlens, ctx, logits, tables, S = [], [], [], [], [], [], [], self.block_size
         for tokens, start, blocks, n_logits in rows:
             n = len(tokens)
-            if start + n > len(blocks) * B:
+            if start + n > len(blocks) * S:
                 raise ValueError(
                     f"positions {start}..{start + n - 1} are outside the row's {len(blocks)} blocks"
                 )
-            slots += [blocks[p // B] * B + p % B for p in range(start, start + n)]
+            slots += [blocks[p // S] * S + p % S for p in range(start, start + n)]
             logits += range(len(ids) + n - n_logits, len(ids) + n)
             ids += tokens
             pos += range(start, start + n)

@@ -36,9 +36,9 @@ def paged_attention_ref(
 ):
     """Reference paged attention: for each row of the packed batch, gather its K/V and run causal
     attention."""
-    out, t, B = torch.empty_like(q), 0, k_pool.shape[1]
+    out, t, S = torch.empty_like(q), 0, k_pool.shape[1]
     for i, (n, ctx) in enumerate(zip(query_lens, seq_lens)):
-        blocks = block_tables[i, : -(-ctx // B)]
+        blocks = block_tables[i, : -(-ctx // S)]
         out[t : t + n] = causal_attention(
             q[t : t + n],
             gather_blocks(k_pool, blocks, ctx),
@@ -54,17 +54,17 @@ def paged_decode(q, k_pool, v_pool, blocks, mask, k_out=None, v_out=None):
     first nb blocks, `mask` [R, nb * block_size] (True = a real token). Optional `k_out`/`v_out`
     buffers receive the gathered K/V."""
     R, nb = blocks.shape
-    _, B, H, D = k_pool.shape
+    _, S, H, D = k_pool.shape
     k = (
         torch
         .index_select(k_pool, 0, blocks.flatten(), out=k_out)
-        .view(R, nb * B, H, D)
+        .view(R, nb * S, H, D)
         .transpose(1, 2)
     )
     v = (
         torch
         .index_select(v_pool, 0, blocks.flatten(), out=v_out)
-        .view(R, nb * B, H, D)
+        .view(R, nb * S, H, D)
         .transpose(1, 2)
     )
     out = F.scaled_dot_product_attention(q.view(R, H, -1, D), k, v, attn_mask=mask[:, None, None])
@@ -74,17 +74,17 @@ def paged_decode(q, k_pool, v_pool, blocks, mask, k_out=None, v_out=None):
 def paged_decode_flash(q, k_pool, v_pool, blocks, mask, blocks_per_chunk: int = 4):
     "Same as `paged_decode`, with an online softmax over chunks of `blocks_per_chunk` blocks."
     R, nb = blocks.shape
-    _, B, H, D = k_pool.shape
+    _, S, H, D = k_pool.shape
     qg = q.view(R, H, -1, D).float() * D**-0.5  # [R, H, rep, D]
     m = torch.full(qg.shape[:3] + (1,), float("-inf"), device=q.device)
     l, acc = torch.zeros_like(m), torch.zeros_like(qg)
     for j in range(0, nb, blocks_per_chunk):
         ids = blocks[:, j : j + blocks_per_chunk]
-        n = ids.shape[1] * B
+        n = ids.shape[1] * S
         k = k_pool[ids].view(R, n, H, D).transpose(1, 2).float()  # [R, H, n, D]
         v = v_pool[ids].view(R, n, H, D).transpose(1, 2).float()
         s = (qg @ k.transpose(-1, -2)).masked_fill(
-            ~mask[:, None, None, j * B : j * B + n], float("-inf")
+            ~mask[:, None, None, j * S : j * S + n], float("-inf")
         )  # [R, H, rep, n]
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         p, corr = (s - m_new).exp(), (m - m_new).exp()
@@ -135,7 +135,7 @@ class TorchPlan:
     ]  # (first token, end, blocks, first position, context)
     decode_groups: list[
         tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    ]  # (rows = their tokens, blocks [g, nb], mask [g, nb * B])
+    ]  # (rows = their tokens, blocks [g, nb], mask [g, nb * S])
 
 # %% ../nbs/02_paged_cache.ipynb #f02c0005
 class TorchAttention(AttentionBackend):
