@@ -13,27 +13,11 @@ class PagedKVCache(KVCache):
     """K/V of many sequences in one pool of fixed-size blocks, for all layers; attention goes
     through a backend."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        num_blocks: int,
-        block_size: int = 16,
-        device=None,
-        dtype=torch.float32,
-        backend: AttentionBackend | None = None,
-    ):
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16, device=None,
+                 dtype=torch.float32, backend: AttentionBackend | None = None):
         self.backend = backend or TorchAttention()
-        shape = (
-            cfg.num_hidden_layers,
-            num_blocks,
-            block_size,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
-        self.k, self.v = (
-            self.backend.allocate(shape, dtype, device),
-            self.backend.allocate(shape, dtype, device),
-        )
+        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k, self.v = (self.backend.allocate(shape, dtype, device) for _ in "kv")
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, self.k.device
 
     def make_step(self, rows: list[tuple[list[int], int, list[int], int]]) -> StepInputs:
@@ -66,17 +50,8 @@ class PagedKVCache(KVCache):
         dev = host.to(self.device, non_blocking=True)
         i, p, s, c, lg, bt = dev.split([T, T, T, R, len(logits), R * width])
         num_decodes = next((r for r, n in enumerate(qlens) if n != 1), R)
-        step = StepInputs(
-            i,
-            p,
-            lg,
-            slot_mapping=s,
-            block_tables=bt.view(R, width),
-            context_lens=c,
-            query_lens=qlens,
-            seq_lens=ctx,
-            num_decodes=num_decodes,
-        )
+        step = StepInputs(i, p, lg, slot_mapping=s, block_tables=bt.view(R, width), context_lens=c,
+                          query_lens=qlens, seq_lens=ctx, num_decodes=num_decodes)
         step.attn = self.backend.plan(step, self.block_size)
         return step
 
