@@ -10,6 +10,7 @@ from .sampling import SamplingParams
 from .engine import LLMEngine
 from .llm import run_to_completion
 from .bench import length_range, sync_device, timed, device_name
+from .teaching import assert_greedy_close
 
 # %% ../nbs/04_prefix_cache.ipynb #28afdf5b
 def time_to_first_token(
@@ -93,19 +94,22 @@ def _throughput(
 ):
     """Cache on and off in turns: prompts sharing a fresh prefix every round, and distinct
     prompts (0% hits). Throughputs and ratios, and the hit rates of the shared rounds."""
-    params = [SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)] * num_requests
+    cuda = on.model.device.type == "cuda"  # float16 kernels may flip a near-tie: chapter 3's check
+    params = [
+        SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, logprobs=2 if cuda else None)
+    ] * num_requests
     res, hit_rates, reuse = {"shared": [], "distinct": []}, [], []
     for r in range(rounds):
         shared = [p + ids(rng.randint(*lo_hi)) for p in [ids(prefix_len)] * num_requests]
         for kind, prompts in (("shared", shared), ("distinct", [ids(len(p)) for p in shared])):
-            walls, tokens = {}, {}
+            walls, got = {}, {}
             for name, eng in (
                 (("on", on), ("off", off)) if r % 2 == 0 else (("off", off), ("on", on))
             ):
                 outs, walls[name] = timed(
                     lambda: run_to_completion(eng, prompts, params), on.model.device
                 )
-                tokens[name] = [o.token_ids for o in outs]
+                got[name] = outs
                 if name == "on" and kind == "shared":
                     later = outs[1:]
                     hit_rates.append(
@@ -114,7 +118,11 @@ def _throughput(
                     )
                     reusable = max(1, _reusable_tokens(prompts, on.config.block_size))
                     reuse.append(sum(o.num_cached_tokens for o in outs) / reusable)
-            assert tokens["on"] == tokens["off"], "the cache changed the greedy tokens"
+            if cuda:
+                assert_greedy_close(got["off"], got["on"])
+            else:
+                same = [o.token_ids for o in got["on"]] == [o.token_ids for o in got["off"]]
+                assert same, "the cache changed the greedy tokens"
             res[kind].append((walls["on"], walls["off"]))
     n_tok = num_requests * output_len
 

@@ -13,41 +13,25 @@ class PagedKVCache(KVCache):
     """K/V of many sequences in one pool of fixed-size blocks, for all layers; attention goes
     through a backend."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        num_blocks: int,
-        block_size: int = 16,
-        device=None,
-        dtype=torch.float32,
-        backend: AttentionBackend | None = None,
-    ):
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16, device=None,
+                 dtype=torch.float32, backend: AttentionBackend | None = None):
         self.backend = backend or TorchAttention()
-        shape = (
-            cfg.num_hidden_layers,
-            num_blocks,
-            block_size,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
-        self.k, self.v = (
-            self.backend.allocate(shape, dtype, device),
-            self.backend.allocate(shape, dtype, device),
-        )
+        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k, self.v = (self.backend.allocate(shape, dtype, device) for _ in "kv")
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, self.k.device
 
     def make_step(self, rows: list[tuple[list[int], int, list[int], int]]) -> StepInputs:
         """`StepInputs` for rows (token ids, position of the first, the row's blocks, number of
         logits wanted for its last tokens), rows of one token first. Built once, on the device,
         checked against the pool, planned by the backend."""
-        ids, pos, slots, qlens, ctx, logits, tables, B = [], [], [], [], [], [], [], self.block_size
+        ids, pos, slots, qlens, ctx, logits, tables, S = [], [], [], [], [], [], [], self.block_size
         for tokens, start, blocks, n_logits in rows:
             n = len(tokens)
-            if start + n > len(blocks) * B:
+            if start + n > len(blocks) * S:
                 raise ValueError(
                     f"positions {start}..{start + n - 1} are outside the row's {len(blocks)} blocks"
                 )
-            slots += [blocks[p // B] * B + p % B for p in range(start, start + n)]
+            slots += [blocks[p // S] * S + p % S for p in range(start, start + n)]
             logits += range(len(ids) + n - n_logits, len(ids) + n)
             ids += tokens
             pos += range(start, start + n)
@@ -66,17 +50,8 @@ class PagedKVCache(KVCache):
         dev = host.to(self.device, non_blocking=True)
         i, p, s, c, lg, bt = dev.split([T, T, T, R, len(logits), R * width])
         num_decodes = next((r for r, n in enumerate(qlens) if n != 1), R)
-        step = StepInputs(
-            i,
-            p,
-            lg,
-            slot_mapping=s,
-            block_tables=bt.view(R, width),
-            context_lens=c,
-            query_lens=qlens,
-            seq_lens=ctx,
-            num_decodes=num_decodes,
-        )
+        step = StepInputs(i, p, lg, slot_mapping=s, block_tables=bt.view(R, width), context_lens=c,
+                          query_lens=qlens, seq_lens=ctx, num_decodes=num_decodes)
         step.attn = self.backend.plan(step, self.block_size)
         return step
 

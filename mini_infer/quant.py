@@ -6,8 +6,9 @@ Docs: https://mini-infer.github.io/mini-infer/quantization.html.md"""
 
 # %% auto #0
 __all__ = ['WIDEN_C', 'INT8_KERNELS_C', 'INT8_ATTENTION_C', 'quantize_int8', 'dequantize_int8', 'panel_width', 'unpack_panels',
-           'Int8Method', 'quantize_model', 'int8_kernels', 'int8_kernel_applies', 'linear_int8', 'quantize_kv',
-           'dequantize_kv', 'Int8KVAttention', 'int8_attention_kernels', 'paged_decode_int8']
+           'Int8Weights', 'Int8Method', 'quantize_model', 'int8_kernels', 'int8_kernel_applies', 'linear_int8',
+           'quantize_kv', 'dequantize_kv', 'Int8KVStore', 'Int8KVAttention', 'int8_attention_kernels',
+           'paged_decode_int8']
 
 # %% ../nbs/08_quantization.ipynb #e660d4de
 import ctypes, functools
@@ -59,13 +60,11 @@ def unpack_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
     return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:n]
 
 
-# %% ../nbs/08_quantization.ipynb #7a709a3e
-class Int8Method(LinearMethod):
-    """W8A16: a layer's weight in int8 with float32 scales (per group of `group_size` inputs
-    where that divides them, else per output channel), both in chapter 7's panels: `weight` [P,
-    in, block] int8, `scale` [P, in / group, block]. The stacked weights of a fused layer are
-    quantized as one. On CPUs the C kernel below computes with them, on other devices (or with
-    `use_kernels=False`) PyTorch does, over the weight dequantized."""
+# %% ../nbs/08_quantization.ipynb #90f6778d
+class Int8Weights(LinearMethod):
+    """A layer's weight in int8 with float32 scales (per group of `group_size` inputs where that
+    divides them, else per output channel), both in chapter 7's panels: `weight` [P, in, block]
+    int8, `scale` [P, in / group, block]. The stacked weights of a fused layer are quantized as one."""
 
     float_weights = False
 
@@ -73,7 +72,7 @@ class Int8Method(LinearMethod):
         self.group_size, self.use_kernels = group_size, use_kernels
 
     def process_weights(self, layer: LinearBase):
-        if isinstance(layer.method, Int8Method):
+        if isinstance(layer.method, Int8Weights):
             return
         weight, bias = layer.method.dense(layer)
         K, g = layer.in_features, self.group_size
@@ -91,6 +90,20 @@ class Int8Method(LinearMethod):
         n = layer.out_features
         w = dequantize_int8(unpack_panels(layer.weight, n), unpack_panels(layer.scale, n))
         return w, layer.bias
+
+    def embed(self, layer: LinearBase, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the table, dequantized: a tied LM head and embedding share the one int8
+        copy."""
+        flat, nb = ids.flatten(), layer.weight.shape[-1]
+        panel, col = flat // nb, flat % nb  # row n is column n % block of panel n // block
+        # the scales keep the model's float dtype (quantize above): float16 rows for a float16 model
+        rows = dequantize_int8(layer.weight[panel, :, col], layer.scale[panel, :, col], layer.scale.dtype)
+        return rows.view(*ids.shape, -1)
+
+# %% ../nbs/08_quantization.ipynb #99dc99a2
+class Int8Method(Int8Weights):
+    """W8A16: `Int8Weights` whose products the C kernel below computes on CPUs; on other devices
+    (or with `use_kernels=False`) PyTorch does, over the weight dequantized."""
 
     def _kernel(self, layer: LinearBase, x: torch.Tensor) -> bool:
         """Whether the C kernel takes this product: CPU float32 activations and weights, the
@@ -122,16 +135,6 @@ class Int8Method(LinearMethod):
         if y is None and self._kernel(layer, x) and self._whole_panels(layer, layer.output_sizes):
             return _linear_int8(x, layer, glu=True)[0]
         return super().apply_glu(layer, x, y)
-
-    def embed(self, layer: LinearBase, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the table, dequantized: a tied LM head and embedding share the one int8
-        copy."""
-        flat, nb = ids.flatten(), layer.weight.shape[-1]
-        panel, col = flat // nb, flat % nb  # row n is column n % block of panel n // block
-        # the scales keep the model's float dtype (quantize above): float16 rows for a float16 model
-        rows = dequantize_int8(layer.weight[panel, :, col], layer.scale[panel, :, col], layer.scale.dtype)
-        return rows.view(*ids.shape, -1)
-
 
 # %% ../nbs/08_quantization.ipynb #cd08769d
 def quantize_model(model: CausalLM, group_size: int | None = 64) -> CausalLM:
@@ -372,7 +375,7 @@ def _linear_int8(x, layer, glu=False, sizes=None):
     )
     return ys
 
-# %% ../nbs/08_quantization.ipynb #8cd9fe75
+# %% ../nbs/08_quantization.ipynb #d64d1d9d
 def quantize_kv(x: torch.Tensor) -> torch.Tensor:
     """K or V [..., D] -> int8 [..., D + 4]: symmetric int8 per vector, its float32 scale in the
     last 4 bytes."""
@@ -386,11 +389,9 @@ def dequantize_kv(p: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     "int8 [..., D + 4] from `quantize_kv` -> [..., D] in `dtype`."
     return (p[..., :-4].float() * p[..., -4:].contiguous().view(torch.float32)).to(dtype)
 
-
-class Int8KVAttention(AttentionBackend):
-    """Paged attention over an int8 pool (a scale per token and head): decode steps on a CPU by
-    the C kernel below, over the pool in place; other steps by dequantizing the step's blocks for
-    `inner`."""
+# %% ../nbs/08_quantization.ipynb #04c32a56
+class Int8KVStore(AttentionBackend):
+    "An attention backend's int8 pool (a scale per token and head): its memory and its writes."
 
     note = "int8 K/V + a float32 scale per token and head"
 
@@ -411,19 +412,6 @@ class Int8KVAttention(AttentionBackend):
     def token_bytes(self, cfg, dtype) -> int:
         return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.head_dim + 4)
 
-    def plan(self, step: StepInputs, block_size: int):
-        """For the C kernel, chapter 7's plan of a step without prompt chunks. Else the blocks
-        this step reads, where its new tokens land in their dequantized copy, and the step as
-        `inner` sees it: block tables renumbered into that copy."""
-        if self.kernel and max(step.query_lens) <= SHORT_ROW:
-            return self.inner.plan(step, block_size)  # no prompt chunk
-        used, local = step.block_tables.unique(return_inverse=True)
-        B = block_size
-        slots = torch.searchsorted(used, step.slot_mapping // B) * B + step.slot_mapping % B
-        inner = replace(step, block_tables=local)
-        inner.attn = self.inner.plan(inner, block_size)
-        return used, slots, inner
-
     def store(self, k_pool, v_pool, k, v, step: StepInputs):
         if self.kernel and k.dtype == v.dtype == torch.float32:
             k, v = k.contiguous(), v.contiguous()
@@ -432,6 +420,24 @@ class Int8KVAttention(AttentionBackend):
         kq, vq = quantize_kv(torch.stack([k, v]))  # one pass over both
         k_pool.view(-1, *k_pool.shape[2:]).index_copy_(0, step.slot_mapping, kq)
         v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, step.slot_mapping, vq)
+
+# %% ../nbs/08_quantization.ipynb #681d8885
+class Int8KVAttention(Int8KVStore):
+    """Paged attention over an int8 pool: decode steps on a CPU by the C kernel below, over the
+    pool in place; other steps by dequantizing the step's blocks for `inner`."""
+
+    def plan(self, step: StepInputs, block_size: int):
+        """For the C kernel, chapter 7's plan of a step without prompt chunks. Else the blocks
+        this step reads, where its new tokens land in their dequantized copy, and the step as
+        `inner` sees it: block tables renumbered into that copy."""
+        if self.kernel and max(step.query_lens) <= SHORT_ROW:
+            return self.inner.plan(step, block_size)  # no prompt chunk
+        used, local = step.block_tables.unique(return_inverse=True)
+        S = block_size
+        slots = torch.searchsorted(used, step.slot_mapping // S) * S + step.slot_mapping % S
+        inner = replace(step, block_tables=local)
+        inner.attn = self.inner.plan(inner, block_size)
+        return used, slots, inner
 
     def attend(self, q, k_pool, v_pool, k, v, step: StepInputs) -> torch.Tensor:
         """Attention as `inner` computes it over the step's blocks dequantized; the new K/V, too,

@@ -16,7 +16,7 @@ from pathlib import Path
 from .tokenizer import Tokenizer
 from .loader import resolve_model
 
-# %% ../nbs/10b_repomap.ipynb #8856bd86
+# %% ../nbs/10b_repomap.ipynb #c831d20c
 @dataclass
 class FileOutline:
     "What the map says of one module: its path, first docstring line, exports and signatures."
@@ -36,7 +36,7 @@ def _signature(node, prefix: str = "") -> str:
     kw = "async def" if isinstance(node, ast.AsyncFunctionDef) else "def"
     return f"{prefix}{kw} {node.name}({ast.unparse(node.args)}){ret}"
 
-
+# %% ../nbs/10b_repomap.ipynb #09cc8e10
 def outline_file(path: Path, root: Path) -> FileOutline:
     "The outline of one Python file (raises SyntaxError if it does not parse)."
     tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"), filename=str(path))
@@ -63,7 +63,7 @@ def outline_file(path: Path, root: Path) -> FileOutline:
                         out.symbols.append((f"{node.name}.{m.name}", _signature(m, "    ")))
     return out
 
-# %% ../nbs/10b_repomap.ipynb #bcd6f66d
+# %% ../nbs/10b_repomap.ipynb #7900b911
 def outline(root) -> tuple[list[FileOutline], Counter]:
     """Every .py file under `root` outlined (a file that does not parse is skipped with a
     warning), and how often each name is used across the code base (the ranking's signal)."""
@@ -83,7 +83,7 @@ def outline(root) -> tuple[list[FileOutline], Counter]:
                 uses[n.attr] += 1
     return files, uses
 
-
+# %% ../nbs/10b_repomap.ipynb #ad3eb140
 def rank(
     files: list[FileOutline], uses: Counter, export_bonus: float = 10
 ) -> list[tuple[float, str, int]]:
@@ -104,7 +104,7 @@ def rank(
         lines.append((best + 0.5, f.path, -1))
     return sorted(lines, key=lambda x: -x[0])
 
-
+# %% ../nbs/10b_repomap.ipynb #0e13a370
 def render(files: list[FileOutline], kept: set[tuple[str, int]]) -> str:
     "The kept lines, in file order: each file's header, then its signatures indented."
     out = []

@@ -6,8 +6,9 @@ Docs: https://mini-infer.github.io/mini-infer/structured_outputs.html.md"""
 
 # %% auto #0
 __all__ = ['TINY_DFA', 'TINY_ACCEPT', 'TOOLS_SYSTEM_PROMPT', 'SCHEMA_SUITE', 'walk', 'allowed_tokens', 'xgrammar_tokenizer',
-           'compare_grammar_libraries', 'StructuredOutputsParams', 'GrammarCompiler', 'GrammarMasks',
-           'GrammarConstraints', 'request_structured_outputs', 'ToolCalls', 'request_tool_calls', 'per_token_seconds',
+           'compare_grammar_libraries', 'StructuredOutputsParams', 'compile_spec', 'GrammarCompiler', 'GrammarMasks',
+           'fill_masks', 'MatcherUpdates', 'GrammarConstraints', 'request_structured_outputs', 'check_tools',
+           'check_tool_choice', 'ToolCalls', 'tool_call_grammar', 'request_tool_calls', 'per_token_seconds',
            'grammar_overhead']
 
 # %% ../nbs/10_structured_outputs.ipynb #c392f31c
@@ -149,7 +150,23 @@ class StructuredOutputsParams:
             value = json.dumps(value)  # key order kept: it is the order of generation
         return kind, value if isinstance(value, str) else json.dumps(value)
 
-# %% ../nbs/10_structured_outputs.ipynb #c3032269
+# %% ../nbs/10_structured_outputs.ipynb #cb5aea3c
+def compile_spec(c, kind: str, text: str):
+    "A spec `(kind, text)` compiled by xgrammar's compiler `c`; JSON without free whitespace."
+    if kind == "json":
+        json.loads(text)  # a JSON error names the position
+        return c.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+    if kind == "json_object":
+        return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+    if kind == "regex":
+        return c.compile_regex(text)
+    if kind == "choice":
+        return c.compile_grammar(
+            "root ::= " + " | ".join(json.dumps(s) for s in json.loads(text))
+        )
+    return c.compile_grammar(text)
+
+# %% ../nbs/10_structured_outputs.ipynb #b9a9d86f
 class GrammarCompiler:
     """Compiles what a `StructuredOutputsParams` asks for into an xgrammar grammar, once per
     distinct spec (an LRU cache of `cache_size`)."""
@@ -174,7 +191,7 @@ class GrammarCompiler:
             self.counters["cache_hits"] += 1
             return self.cache[key]
         try:
-            grammar = self._compile(*key)
+            grammar = compile_spec(self.compiler, *key)
         except (RuntimeError, ValueError) as e:  # xgrammar's parse errors
             raise InvalidRequest(
                 f"invalid {key[0]}: {e}", param=f"structured_outputs.{key[0]}"
@@ -184,21 +201,6 @@ class GrammarCompiler:
         if len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)
         return grammar
-
-    def _compile(self, kind: str, text: str):
-        c = self.compiler
-        if kind == "json":
-            json.loads(text)  # a JSON error names the position
-            return c.compile_json_schema(text, any_whitespace=False, strict_mode=True)
-        if kind == "json_object":
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if kind == "regex":
-            return c.compile_regex(text)
-        if kind == "choice":
-            return c.compile_grammar(
-                "root ::= " + " | ".join(json.dumps(s) for s in json.loads(text))
-            )
-        return c.compile_grammar(text)
 
 # %% ../nbs/10_structured_outputs.ipynb #7ecc34f8
 @dataclass
@@ -217,8 +219,44 @@ class GrammarMasks:
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=self.rows)
         return logits
 
-# %% ../nbs/10_structured_outputs.ipynb #28f5500b
-class GrammarConstraints:
+# %% ../nbs/10_structured_outputs.ipynb #4f4faa8f
+def fill_masks(m, bitmask, row: int, guesses: list[int]) -> list[int]:
+    """Fill matcher `m`'s masks into rows `row`.. of `bitmask`: one, then one per guess, walking
+    through the guesses and back. Returns the rows filled."""
+    for j in range(len(guesses) + 1):
+        m.fill_next_token_bitmask(bitmask, row + j)
+        if j < len(guesses):
+            m.accept_token(guesses[j])  # valid: `check_guesses` kept only those
+    if guesses:
+        m.rollback(len(guesses))
+    return list(range(row, row + len(guesses) + 1))
+
+
+class MatcherUpdates:
+    "The update phase's calls: each matcher moved by the tokens appended, guesses it forbids dropped."
+
+    def accept(self, seq, token_id: int):
+        m = self.matchers.get(seq.request_id)
+        if m is not None and not m.is_terminated() and not m.accept_token(token_id):
+            self.rejected += 1
+
+    def check_guesses(self, seqs):
+        for seq in seqs:
+            m = self.matchers.get(seq.request_id)
+            if m is None or not seq.spec_token_ids or m.is_terminated():
+                continue
+            n = 0
+            while n < len(seq.spec_token_ids) and m.accept_token(seq.spec_token_ids[n]):
+                n += 1
+            if n:
+                m.rollback(n)
+            del seq.spec_token_ids[n:]
+
+    def free(self, seq):
+        self.matchers.pop(seq.request_id, None)
+
+# %% ../nbs/10_structured_outputs.ipynb #4def4371
+class GrammarConstraints(MatcherUpdates):
     """Chapter 10's side of the scheduler (the calls of `NoConstraints`): a grammar matcher per
     constrained sequence, moved only by the tokens `Scheduler.update` appends; each step's masks
     in one bitmask, guesses included (the matcher walks through a row's guesses, then rolls
@@ -257,36 +295,8 @@ class GrammarConstraints:
         if not todo:
             return None
         bitmask = self.compiler.xgr.allocate_token_bitmask(n, self.vocab_size)
-        at = []
-        for row, m, guesses in todo:
-            for j in range(len(guesses) + 1):
-                m.fill_next_token_bitmask(bitmask, row + j)
-                at.append(row + j)
-                if j < len(guesses):
-                    m.accept_token(guesses[j])  # valid: `check_guesses` kept only those
-            if guesses:
-                m.rollback(len(guesses))
+        at = [r for row, m, guesses in todo for r in fill_masks(m, bitmask, row, guesses)]
         return GrammarMasks(bitmask, at)
-
-    def accept(self, seq, token_id: int):
-        m = self.matchers.get(seq.request_id)
-        if m is not None and not m.is_terminated() and not m.accept_token(token_id):
-            self.rejected += 1
-
-    def check_guesses(self, seqs):
-        for seq in seqs:
-            m = self.matchers.get(seq.request_id)
-            if m is None or not seq.spec_token_ids or m.is_terminated():
-                continue
-            n = 0
-            while n < len(seq.spec_token_ids) and m.accept_token(seq.spec_token_ids[n]):
-                n += 1
-            if n:
-                m.rollback(n)
-            del seq.spec_token_ids[n:]
-
-    def free(self, seq):
-        self.matchers.pop(seq.request_id, None)
 
 # %% ../nbs/10_structured_outputs.ipynb #99e4699b
 def request_structured_outputs(req) -> StructuredOutputsParams | None:
@@ -344,51 +354,61 @@ To call a function, reply with only a JSON object inside tags, like this:
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
-# %% ../nbs/10_structured_outputs.ipynb #d4211d83
+# %% ../nbs/10_structured_outputs.ipynb #c3aedf3f
+def check_tools(tools: list[dict]) -> dict:
+    "{name: parameters schema} of `tools`, or an InvalidRequest naming the tool that is wrong."
+    import jsonschema
+
+    functions = {}
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        if (
+            t.get("type") != "function"
+            or not isinstance(f, dict)
+            or not isinstance(f.get("name"), str)
+        ):
+            raise InvalidRequest(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}; got {t!r:.80}",
+                param=f"tools[{i}]",
+            )
+        params = f.get("parameters") or {"type": "object", "properties": {}}
+        try:
+            jsonschema.validators.validator_for(params).check_schema(params)
+        except jsonschema.SchemaError as e:
+            raise InvalidRequest(
+                f"tools[{i}].function.parameters is not a valid JSON schema: {e.message}",
+                param=f"tools[{i}].function.parameters",
+            ) from None
+        functions[f["name"]] = params
+    return functions
+
+
+def check_tool_choice(tool_choice, functions: dict) -> tuple[str, list[str]]:
+    "('none' | 'auto' | 'required' | 'named', the functions it allows), or an InvalidRequest."
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        if name not in functions:
+            raise InvalidRequest(
+                f"tool_choice names the function {name!r}, which is not in tools ({', '.join(functions)})",
+                param="tool_choice",
+            )
+        return "named", [name]
+    if tool_choice in ("none", "auto", "required"):
+        return tool_choice, list(functions)
+    raise InvalidRequest(
+        f"tool_choice must be 'none', 'auto', 'required' or a named function; got {tool_choice!r}",
+        param="tool_choice",
+    )
+
+# %% ../nbs/10_structured_outputs.ipynb #d19cc89d
 class ToolCalls:
     """A chat request's `tools` and `tool_choice`: checked (a 400 names what is wrong), rendered
     into the prompt, enforced by a grammar when a call is required, parsed out of the answer."""
 
     def __init__(self, tokenizer, tools: list[dict], tool_choice="auto"):
-        import jsonschema
-
         self.tok, self.tools = tokenizer, tools
-        self.functions = {}
-        for i, t in enumerate(tools):
-            f = t.get("function") if isinstance(t, dict) else None
-            if (
-                t.get("type") != "function"
-                or not isinstance(f, dict)
-                or not isinstance(f.get("name"), str)
-            ):
-                raise InvalidRequest(
-                    f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}; got {t!r:.80}",
-                    param=f"tools[{i}]",
-                )
-            params = f.get("parameters") or {"type": "object", "properties": {}}
-            try:
-                jsonschema.validators.validator_for(params).check_schema(params)
-            except jsonschema.SchemaError as e:
-                raise InvalidRequest(
-                    f"tools[{i}].function.parameters is not a valid JSON schema: {e.message}",
-                    param=f"tools[{i}].function.parameters",
-                ) from None
-            self.functions[f["name"]] = params
-        if isinstance(tool_choice, dict):
-            name = (tool_choice.get("function") or {}).get("name")
-            if name not in self.functions:
-                raise InvalidRequest(
-                    f"tool_choice names the function {name!r}, which is not in tools ({', '.join(self.functions)})",
-                    param="tool_choice",
-                )
-            self.choice, self.allowed = "named", [name]
-        elif tool_choice in ("none", "auto", "required"):
-            self.choice, self.allowed = tool_choice, list(self.functions)
-        else:
-            raise InvalidRequest(
-                f"tool_choice must be 'none', 'auto', 'required' or a named function; got {tool_choice!r}",
-                param="tool_choice",
-            )
+        self.functions = check_tools(tools)  # name -> parameters schema (hidden cell above)
+        self.choice, self.allowed = check_tool_choice(tool_choice, self.functions)
 
     @property
     def active(self) -> bool:
@@ -409,20 +429,7 @@ class ToolCalls:
         "With 'required' or a named function: the grammar of one call to an allowed function."
         if self.choice not in ("required", "named"):
             return None
-        call = {
-            "anyOf": [
-                {
-                    "type": "object",
-                    "properties": {"name": {"const": n}, "arguments": self.functions[n]},
-                    "required": ["name", "arguments"],
-                    "additionalProperties": False,
-                }
-                for n in self.allowed
-            ]
-        }
-        return StructuredOutputsParams(
-            grammar=_tagged_json_grammar(call, "<tool_call>\n", "\n</tool_call>")
-        )
+        return StructuredOutputsParams(grammar=tool_call_grammar(self.functions, self.allowed))
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
         "(content, tool_calls) of an answer: each <tool_call> naming a known function becomes a call."
@@ -433,32 +440,18 @@ class ToolCalls:
             except json.JSONDecodeError:
                 continue
             if isinstance(obj, dict) and obj.get("name") in self.functions:
-                args = obj.get("arguments", {})
-                calls.append(
-                    {
-                        "id": "call_" + uuid.uuid4().hex[:24],
-                        "type": "function",
-                        "function": {"name": obj["name"], "arguments": json.dumps(args)},
-                    }
-                )
+                fn = {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))}
+                calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": fn})
                 rest = rest.replace(m.group(0), "")
         return (rest.strip() or None) if calls else text, calls
 
-# %% ../nbs/10_structured_outputs.ipynb #19e3b7ec
+# %% ../nbs/10_structured_outputs.ipynb #edd27391
 def _with_dict_arguments(m: dict) -> dict:
     "A message whose earlier tool calls carry their arguments as dicts, as chat templates expect."
     if not m.get("tool_calls"):
         return m
-    calls = [
-        {
-            **c,
-            "function": {
-                **c["function"],
-                "arguments": json.loads(c["function"].get("arguments") or "{}"),
-            },
-        }
-        for c in m["tool_calls"]
-    ]
+    args = lambda c: json.loads(c["function"].get("arguments") or "{}")
+    calls = [{**c, "function": {**c["function"], "arguments": args(c)}} for c in m["tool_calls"]]
     return {**m, "tool_calls": calls}
 
 
@@ -489,7 +482,7 @@ def _fallback_messages(messages: list[dict], tools: list[dict] | None) -> list[d
             out.insert(0, {"role": "system", "content": prompt})
     return out
 
-
+# %% ../nbs/10_structured_outputs.ipynb #c146fb20
 def _tagged_json_grammar(schema: dict, before: str, after: str) -> str:
     "EBNF for `before`, a JSON value following `schema`, then `after` (xgrammar writes the rules)."
     import xgrammar as xgr
@@ -498,6 +491,18 @@ def _tagged_json_grammar(schema: dict, before: str, after: str) -> str:
     tag = lambda text: G.from_ebnf(f"root ::= {json.dumps(text)}")
     body = G.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
     return str(G.concat(tag(before), body, tag(after)))
+
+
+def tool_call_grammar(functions: dict, allowed: list[str]) -> str:
+    "The grammar of one tagged call to an allowed function, its arguments following its schema."
+    one = lambda n: {
+        "type": "object",
+        "properties": {"name": {"const": n}, "arguments": functions[n]},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+    call = {"anyOf": [one(n) for n in allowed]}
+    return _tagged_json_grammar(call, "<tool_call>\n", "\n</tool_call>")
 
 # %% ../nbs/10_structured_outputs.ipynb #a35b67c5
 def request_tool_calls(tokenizer, req) -> ToolCalls | None:
