@@ -7,7 +7,8 @@ Docs: https://mini-infer.github.io/mini-infer/speculative.html.md"""
 # %% auto #0
 __all__ = ['VERIFY_TOKEN_COST', 'METHODS', 'expected_tokens', 'plan_guesses', 'accept_probs', 'residual', 'rejection_sample',
            'greedy_verify', 'NgramProposer', 'draft_seed', 'DraftModelProposer', 'SpeculativeConfig', 'load_draft',
-           'SpeculativeProposer', 'VerifyingSampler', 'speculative_decoding']
+           'SpeculativeProposer', 'verify_positions', 'padded_guesses', 'repeat_positions', 'draft_probs',
+           'VerifyingSampler', 'speculative_decoding']
 
 # %% ../nbs/05_speculative.ipynb #64095ae4
 import json
@@ -419,6 +420,46 @@ class SpeculativeProposer:
             spec_decode_draft_acceptance_rate=c["accepted"] / c["drafts"] if c["drafts"] else 0.0,
         )
 
+# %% ../nbs/05_speculative.ipynb #5e1f0a01
+def verify_positions(num_logits: list[int], device) -> torch.Tensor:
+    """[B, k + 1]: the logits row of each verified position, row b's position j after its first j
+    guesses (positions past a row's guesses repeat its last), from the rows' `num_logits`."""
+    n = torch.tensor(num_logits, device=device)
+    first = n.cumsum(0) - n
+    return first[:, None] + torch.minimum(torch.arange(int(n.max()), device=device), n[:, None] - 1)
+
+
+def padded_guesses(rows: list[ScheduledRequest], K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    "The rows' guesses [B, K], padded with -1, and how many are real [B]."
+    draft = torch.tensor([r.guesses + [-1] * (K - len(r.guesses)) for r in rows], device=device)
+    return draft, (draft >= 0).sum(-1)
+
+
+def repeat_positions(batch: SamplingBatch, draft: torch.Tensor) -> SamplingBatch:
+    """`batch` with each row repeated for its k + 1 verified positions; with penalties, position j
+    counts the row's first j guesses as generated, so that the penalties stay exact."""
+    (B, K), extra = draft.shape, None
+    if batch.penalties is not None:
+        V = batch.penalties.counts.shape[1]
+        hot = F.one_hot(draft.clamp(min=0), V).float() * (draft >= 0).unsqueeze(-1)  # [B, K, V]
+        extra = torch.cat([hot.new_zeros(B, 1, V), hot.cumsum(1)], 1).flatten(0, 1)
+    return SamplingBatch.of(batch, [b for b in range(B) for _ in range(K + 1)], extra)
+
+
+def draft_probs(rows: list[ScheduledRequest], K: int, V: int, device) -> torch.Tensor | None:
+    """q [B, k, n_vocab] for draft-model guesses (one-hot for rows whose guesses were
+    deterministic), or None where no row has a draft model's q."""
+    if all(r.draft_probs is None for r in rows):
+        return None
+    q = torch.zeros(len(rows), K, V, device=device)
+    for b, r in enumerate(rows):
+        n = len(r.guesses)
+        if r.draft_probs is not None:
+            q[b, :n] = r.draft_probs[:n]
+        elif n:
+            q[b, torch.arange(n), torch.tensor(r.guesses, device=device)] = 1.0
+    return q
+
 # %% ../nbs/05_speculative.ipynb #459b8d92
 class VerifyingSampler(NextTokenSampler):
     """Chapter 5's side of the runner: a row with k guesses has 1 + k logits rows; keep the
@@ -429,66 +470,35 @@ class VerifyingSampler(NextTokenSampler):
         ks = [r.num_logits for r in rows]
         if all(k == 1 for k in ks):
             return super().__call__(logits, rows, batch)
-        B, K, dev = len(rows), max(ks) - 1, logits.device
-        starts = np.cumsum([0] + ks[:-1]).tolist()
-        at = [[st + min(j, k - 1) for j in range(K + 1)] for st, k in zip(starts, ks)]
-        at = torch.tensor(at, device=dev)
-        raw = logits.float()[at]  # [B, k + 1, n_vocab]: row j follows the first j guesses
-        draft = torch.tensor([r.guesses + [-1] * (K - len(r.guesses)) for r in rows], device=dev)
-        num_draft = torch.tensor([k - 1 for k in ks], device=dev)
-        positions = self._positions(batch, draft, K)  # a SamplingBatch row per verified position
+        dev = logits.device
+        raw = logits.float()[verify_positions(ks, dev)]  # [B, k + 1, n_vocab]
+        draft, num_draft = padded_guesses(rows, raw.shape[1] - 1, dev)
+        plain = batch.all_greedy and batch.penalties is None and not batch.wants_logprobs
+        positions = None if plain else repeat_positions(batch, draft)  # a row per position
         scores = raw
-        if positions.penalties is not None:
+        if batch.penalties is not None:
             scores = apply_penalties(raw.flatten(0, 1), positions.penalties).view(raw.shape)
-        accepted, nxt = torch.empty_like(num_draft), torch.empty_like(num_draft)
-        greedy = [b for b in range(B) if batch.greedy[b]]
-        if greedy:
-            g = (scores[greedy], draft[greedy], num_draft[greedy])
-            accepted[greedy], nxt[greedy] = greedy_verify(*g)
-        sampled = [b for b in range(B) if not batch.greedy[b]]
-        if sampled:  # p: chapter 1's temperature, top-k, top-p and min-p, position by position
-            rows_at = [b * (K + 1) + j for b in sampled for j in range(K + 1)]
-            p = self.sampler.probs(scores[sampled].flatten(0, 1), SamplingBatch.of(positions, rows_at))
-            p = p.view(len(sampled), K + 1, -1)
-            q = self._draft_probs([rows[b] for b in sampled], K, p.shape[-1], dev)
-            gens = [batch.generators[b] for b in sampled]
-            s = (p, draft[sampled], num_draft[sampled], q, gens)
-            accepted[sampled], nxt[sampled] = rejection_sample(*s)
+        accepted, nxt = greedy_verify(scores, draft, num_draft)  # every row at once ...
+        if not batch.all_greedy:  # ... then the rows that sample, by rejection sampling
+            self._sample(scores, rows, batch, positions, draft, num_draft, accepted, nxt)
         accepted, nxt = accepted.tolist(), nxt.tolist()
         new = [r.guesses[:a] + [t] for r, a, t in zip(rows, accepted, nxt)]
         return new, self._logprobs(raw, positions, new)
 
-    @staticmethod
-    def _positions(batch: SamplingBatch, draft: torch.Tensor, K: int) -> SamplingBatch:
-        """`batch` with each row repeated for its K + 1 verified positions; with penalties,
-        position j counts the row's first j guesses as generated, so that the penalties stay
-        exact."""
-        B = len(batch)
-        extra = None
-        if batch.penalties is not None:
-            V = batch.penalties.counts.shape[1]
-            hot = F.one_hot(draft.clamp(min=0), V).float() * (draft >= 0).unsqueeze(-1)  # [B, K, V]
-            extra = torch.cat([hot.new_zeros(B, 1, V), hot.cumsum(1)], 1).flatten(0, 1)
-        return SamplingBatch.of(batch, [b for b in range(B) for _ in range(K + 1)], extra)
+    def _sample(self, scores, rows, batch, positions, draft, num_draft, accepted, nxt):
+        """Rejection sampling for the rows that sample, into `accepted` and `nxt`; p: chapter 1's
+        temperature, top-k, top-p and min-p, position by position."""
+        sampled, K1 = [b for b, g in enumerate(batch.greedy) if not g], scores.shape[1]
+        at = SamplingBatch.of(positions, [b * K1 + j for b in sampled for j in range(K1)])
+        p = self.sampler.probs(scores[sampled].flatten(0, 1), at).view(len(sampled), K1, -1)
+        q = draft_probs([rows[b] for b in sampled], K1 - 1, p.shape[-1], scores.device)
+        gens = [batch.generators[b] for b in sampled]
+        s = (p, draft[sampled], num_draft[sampled], q, gens)
+        accepted[sampled], nxt[sampled] = rejection_sample(*s)
 
-    @staticmethod
-    def _draft_probs(rows: list[ScheduledRequest], K: int, V: int, dev):
-        """q [B, k, n_vocab] for draft-model guesses (one-hot for rows whose guesses were
-        deterministic), or None."""
-        if all(r.draft_probs is None for r in rows):
-            return None
-        q = torch.zeros(len(rows), K, V, device=dev)
-        for b, r in enumerate(rows):
-            n = len(r.guesses)
-            if r.draft_probs is not None:
-                q[b, :n] = r.draft_probs[:n]
-            elif n:
-                q[b, torch.arange(n), torch.tensor(r.guesses, device=dev)] = 1.0
-        return q
-
-    def _logprobs(self, raw: torch.Tensor, positions: SamplingBatch, new: list[list[int]]):
+    def _logprobs(self, raw: torch.Tensor, positions: SamplingBatch | None, new: list[list[int]]):
         "The target's logprobs of each emitted token, for the rows that asked."
-        if not positions.wants_logprobs:
+        if positions is None or not positions.wants_logprobs:
             return [[None] * len(t) for t in new]
         K1 = raw.shape[1]
         toks = torch.tensor([t + [0] * (K1 - len(t)) for t in new], device=raw.device)
