@@ -6,9 +6,9 @@ Docs: https://mini-infer.github.io/mini-infer/speculative.html.md"""
 
 # %% auto #0
 __all__ = ['VERIFY_TOKEN_COST', 'METHODS', 'expected_tokens', 'plan_guesses', 'accept_probs', 'residual', 'rejection_sample',
-           'greedy_verify', 'NgramProposer', 'draft_seed', 'DraftModelProposer', 'SpeculativeConfig', 'load_draft',
-           'SpeculativeProposer', 'verify_positions', 'padded_guesses', 'repeat_positions', 'draft_probs',
-           'VerifyingSampler', 'speculative_decoding']
+           'greedy_verify', 'NgramProposer', 'draft_seed', 'DraftKV', 'draft_forward', 'DraftModelProposer',
+           'SpeculativeConfig', 'load_draft', 'GuessPlanner', 'SpecCounters', 'SpeculativeProposer', 'verify_positions',
+           'padded_guesses', 'repeat_positions', 'draft_probs', 'VerifyingSampler', 'speculative_decoding']
 
 # %% ../nbs/05_speculative.ipynb #64095ae4
 import json
@@ -114,7 +114,7 @@ def rejection_sample(
         )
     return accepted, exponential_race(pa, gens)  # every guess kept: a bonus token from p
 
-
+# %% ../nbs/05_speculative.ipynb #5e1f0a04
 def greedy_verify(
     logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,12 +159,11 @@ def draft_seed(seed: int) -> int:
     return (seed * 6364136223846793005 + 1442695040888963407) % 2**63
 
 # %% ../nbs/05_speculative.ipynb #413e4fa0
-class DraftModelProposer:
-    """A smaller model with the same tokenizer guesses k tokens, one forward each; it keeps KV
-    blocks of its own for every sequence, and a generator of its own for every seeded one."""
+class DraftKV:
+    """The draft model's own KV pool: for every sequence its block table, how many of its tokens
+    the draft has computed, the guesses of its last proposal, and its generator if seeded."""
 
-    def __init__(self, model: CausalLM, run_step, attention, num_blocks: int, block_size: int):
-        self.model, self.run_step, self.sampler = model, run_step, Sampler()
+    def __init__(self, model: CausalLM, attention, num_blocks: int, block_size: int):
         self.cache = PagedKVCache(
             model.config, num_blocks, block_size, model.device, model.dtype, attention
         )
@@ -174,7 +173,7 @@ class DraftModelProposer:
     def _sync(self, seq: Sequence) -> dict:
         """The sequence's draft state, rolled back to the tokens that are still the sequence's
         (rejected guesses go)."""
-        seed, dev = seq.params.seed, self.model.device
+        seed, dev = seq.params.seed, self.cache.device
         gen = None if seed is None else torch.Generator(dev).manual_seed(draft_seed(seed))
         st = self.state.setdefault(seq, dict(table=BlockTable(self.cache.block_size), computed=0,
                                              base=0, guesses=[], generator=gen))
@@ -184,28 +183,41 @@ class DraftModelProposer:
         st["table"].truncate(st["computed"], self.allocator)
         return st
 
-    def _forward(self, rows, params, gens):
-        """One draft forward over rows (tokens, start, table); the next token of each, and its q
-        (None if greedy)."""
-        step = self.cache.make_step([(t, s, tb.blocks, 1) for t, s, tb in rows])
-        logits = self.run_step(step, self.cache).float()
-        tokens, q = logits.max(-1).indices, [None] * len(rows)
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:
-            batch = SamplingBatch(
-                [params[i] for i in sampled], [gens[i] for i in sampled], with_penalties=False
-            )
-            probs = self.sampler.probs(logits[sampled], batch)
-            tokens[sampled] = exponential_race(probs, batch.generators)
-            for j, i in enumerate(sampled):
-                q[i] = probs[j]
-        return tokens.tolist(), q
+    def free(self, seq: Sequence):
+        "The sequence finished or was preempted: its draft blocks go back with the target's."
+        st = self.state.pop(seq, None)
+        if st is not None:
+            st["table"].free(self.allocator)
 
-    def propose(
-        self, seqs: list[Sequence], ks: list[int]
-    ) -> list[tuple[list[int], torch.Tensor | None]]:
-        # sequences with room in the draft's pool for the catch-up and k - 1 guesses (the k-th
-        # never runs)
+# %% ../nbs/05_speculative.ipynb #5e1f0a06
+def draft_forward(run_step, cache: PagedKVCache, sampler: Sampler, rows, params, gens):
+    """One draft forward over rows (tokens, start, table); the next token of each, and its q
+    (None if greedy)."""
+    step = cache.make_step([(t, s, tb.blocks, 1) for t, s, tb in rows])
+    logits = run_step(step, cache).float()
+    tokens, q = logits.max(-1).indices, [None] * len(rows)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        batch = SamplingBatch(
+            [params[i] for i in sampled], [gens[i] for i in sampled], with_penalties=False
+        )
+        probs = sampler.probs(logits[sampled], batch)
+        tokens[sampled] = exponential_race(probs, batch.generators)
+        for j, i in enumerate(sampled):
+            q[i] = probs[j]
+    return tokens.tolist(), q
+
+# %% ../nbs/05_speculative.ipynb #5e1f0a08
+class DraftModelProposer(DraftKV):
+    """A smaller model with the same tokenizer guesses k tokens, one forward each; it keeps KV
+    blocks of its own for every sequence (`DraftKV`), and a generator for every seeded one."""
+
+    def __init__(self, model: CausalLM, run_step, attention, num_blocks: int, block_size: int):
+        super().__init__(model, attention, num_blocks, block_size)
+        self.model, self.run_step, self.sampler = model, run_step, Sampler()
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+        # sequences with room for the catch-up and k - 1 guesses (the k-th never runs)
         live = []
         for s, k in zip(seqs, ks):
             if s.num_tokens + k - 1 > len(self.model.rotary.cos):
@@ -213,8 +225,7 @@ class DraftModelProposer:
             st = self._sync(s)
             if st["table"].append(s.num_tokens + k - 1 - st["table"].num_tokens, self.allocator):
                 live.append((s, k, st))
-        # one-token rows first, as `make_step` wants
-        live.sort(key=lambda e: e[0].num_tokens - e[2]["computed"] != 1)
+        live.sort(key=lambda e: e[0].num_tokens - e[2]["computed"] != 1)  # one-token rows first
         guesses, qs = {s: [] for s in seqs}, {s: [] for s in seqs}
         # the first forward runs every token the draft has not seen yet (at least the last); then
         # one guess each
@@ -222,7 +233,8 @@ class DraftModelProposer:
                  st["table"]) for s, _, st in live]
         while live:
             gens = [st["generator"] for _, _, st in live]
-            toks, q = self._forward(rows, [s.params for s, _, _ in live], gens)
+            toks, q = draft_forward(self.run_step, self.cache, self.sampler, rows,
+                                    [s.params for s, _, _ in live], gens)
             for (s, _, _), t, qq in zip(live, toks, q):
                 guesses[s].append(t)
                 qs[s].append(qq)
@@ -235,12 +247,6 @@ class DraftModelProposer:
                                      base=s.num_tokens, guesses=guesses[s])
         return [(guesses[s], torch.stack(qs[s]) if qs[s] and qs[s][0] is not None else None)
                 for s in seqs]
-
-    def free(self, seq: Sequence):
-        "The sequence finished or was preempted: its draft blocks go back with the target's."
-        st = self.state.pop(seq, None)
-        if st is not None:
-            st["table"].free(self.allocator)
 
 # %% ../nbs/05_speculative.ipynb #4449abc4
 METHODS = ("ngram", "draft_model")
@@ -332,21 +338,15 @@ def load_draft(cfg: SpeculativeConfig, model: CausalLM, tokenizer: Tokenizer) ->
     return copy.deepcopy(draft) if draft is model and cfg.quantization else draft
 
 # %% ../nbs/05_speculative.ipynb #459b8d91
-class SpeculativeProposer:
-    """Chapter 5's side of the scheduler: before each step, guesses for the decoding sequences,
-    as many as pay (`propose`); after it, what the runner kept of them (`verified`), which sets
-    the next k."""
+class GuessPlanner:
+    """Adaptive k: each sequence's decayed right and wrong guesses, and from them how many guesses
+    each decoding sequence gets in the next step (`plan_guesses`), within the backend's
+    `replay_limits`."""
 
-    def __init__(
-        self, cfg: SpeculativeConfig, proposer, token_cost: float, replay_limits: tuple | None
-    ):
-        self.config, self.proposer = cfg, proposer
-        self.token_cost, self.replay_limits = token_cost, replay_limits
+    def __init__(self, cfg: SpeculativeConfig, token_cost: float, replay_limits: tuple | None):
+        self.config, self.token_cost, self.replay_limits = cfg, token_cost, replay_limits
         # per sequence: decayed right and wrong guesses, steps since the last
         self.acceptance: dict[Sequence, list[float]] = {}
-        self.counters = dict.fromkeys(["drafts", "accepted", "emitted"], 0)
-        self.accepted_lengths = Counter()  # verify steps by number of accepted guesses
-        self.q: dict[Sequence, torch.Tensor] = {}  # the draft's q of the pending guesses
 
     def _cap(self, seq: Sequence) -> int:
         "The most guesses `seq` can use: k, fewer near its `max_tokens` or the context's end."
@@ -373,6 +373,49 @@ class SpeculativeProposer:
             st[2] = 0 if ks[i] else st[2] + 1
         return ks
 
+    def _learn(self, seq: Sequence, accepted: int, guessed: int):
+        "Decay, so that the rate follows the text as it changes."
+        st = self.acceptance.setdefault(seq, [0.0, 0.0, 0])
+        st[0], st[1] = 0.8 * st[0] + accepted, 0.8 * st[1] + (accepted < guessed)
+
+# %% ../nbs/05_speculative.ipynb #5e1f0a0a
+class SpecCounters:
+    "vLLM's speculative-decoding counters, and the verify steps by the number of guesses kept."
+
+    def __init__(self):
+        self.counters = dict.fromkeys(["drafts", "accepted", "emitted"], 0)
+        self.accepted_lengths = Counter()  # verify steps by number of accepted guesses
+
+    def _count(self, accepted: int, guessed: int):
+        c = self.counters
+        c["drafts"] += guessed
+        c["accepted"] += accepted
+        c["emitted"] += accepted + 1
+        self.accepted_lengths[accepted] += 1
+
+    def stats(self) -> dict:
+        c = self.counters
+        return dict(
+            spec_decode_num_draft_tokens_total=c["drafts"],
+            spec_decode_num_accepted_tokens_total=c["accepted"],
+            spec_decode_num_emitted_tokens_total=c["emitted"],
+            spec_decode_draft_acceptance_rate=c["accepted"] / c["drafts"] if c["drafts"] else 0.0,
+        )
+
+# %% ../nbs/05_speculative.ipynb #5e1f0a0c
+class SpeculativeProposer(GuessPlanner, SpecCounters):
+    """Chapter 5's side of the scheduler: before each step, guesses for the decoding sequences,
+    as many as pay (`propose`); after it, what the runner kept of them (`verified`), which sets
+    the next k."""
+
+    def __init__(
+        self, cfg: SpeculativeConfig, proposer, token_cost: float, replay_limits: tuple | None
+    ):
+        GuessPlanner.__init__(self, cfg, token_cost, replay_limits)
+        SpecCounters.__init__(self)
+        self.proposer = proposer
+        self.q: dict[Sequence, torch.Tensor] = {}  # the draft's q of the pending guesses
+
     def propose(self, seqs: list[Sequence]):
         """Set `spec_token_ids` of the decoding sequences (none while more than
         `disable_by_batch_size` decode)."""
@@ -394,14 +437,8 @@ class SpeculativeProposer:
         return self.q.get(seq)
 
     def verified(self, seq: Sequence, accepted: int, guessed: int):
-        c = self.counters
-        c["drafts"] += guessed
-        c["accepted"] += accepted
-        c["emitted"] += accepted + 1
-        self.accepted_lengths[accepted] += 1
-        # decay: the rate follows the text as it changes
-        st = self.acceptance.setdefault(seq, [0.0, 0.0, 0])
-        st[0], st[1] = 0.8 * st[0] + accepted, 0.8 * st[1] + (accepted < guessed)
+        self._count(accepted, guessed)
+        self._learn(seq, accepted, guessed)
         self.q.pop(seq, None)
 
     def free(self, seq: Sequence):
@@ -410,15 +447,6 @@ class SpeculativeProposer:
         if seq.finish_reason is not None:
             self.acceptance.pop(seq, None)
         self.proposer.free(seq)
-
-    def stats(self) -> dict:
-        c = self.counters
-        return dict(
-            spec_decode_num_draft_tokens_total=c["drafts"],
-            spec_decode_num_accepted_tokens_total=c["accepted"],
-            spec_decode_num_emitted_tokens_total=c["emitted"],
-            spec_decode_draft_acceptance_rate=c["accepted"] / c["drafts"] if c["drafts"] else 0.0,
-        )
 
 # %% ../nbs/05_speculative.ipynb #5e1f0a01
 def verify_positions(num_logits: list[int], device) -> torch.Tensor:
