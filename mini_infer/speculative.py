@@ -473,7 +473,7 @@ def repeat_positions(batch: SamplingBatch, draft: torch.Tensor) -> SamplingBatch
         extra = torch.cat([hot.new_zeros(B, 1, V), hot.cumsum(1)], 1).flatten(0, 1)
     return SamplingBatch.of(batch, [b for b in range(B) for _ in range(K + 1)], extra)
 
-
+# %% ../nbs/05_speculative.ipynb #5e1f0a0d
 def draft_probs(rows: list[ScheduledRequest], K: int, V: int, device) -> torch.Tensor | None:
     """q [B, k, n_vocab] for draft-model guesses (one-hot for rows whose guesses were
     deterministic), or None where no row has a draft model's q."""
