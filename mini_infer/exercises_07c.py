@@ -39,7 +39,7 @@ def check_replayed(prediction, steps: list[list[int]]):
     expect(
         not wrong,
         f"not right for {wrong}: a step is replayed when it has at most {GRAPH_MAX_TOKENS} tokens "
-        "and no row of more than 8 (a longer row is a prompt chunk)",
+        "(padded up to a recorded size) and no row of more than 8 (a longer row is a prompt chunk)",
     )
 
 

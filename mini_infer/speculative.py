@@ -6,8 +6,9 @@ Docs: https://mini-infer.github.io/mini-infer/speculative.html.md"""
 
 # %% auto #0
 __all__ = ['VERIFY_TOKEN_COST', 'METHODS', 'expected_tokens', 'plan_guesses', 'accept_probs', 'residual', 'rejection_sample',
-           'greedy_verify', 'NgramProposer', 'draft_seed', 'DraftModelProposer', 'SpeculativeConfig', 'load_draft',
-           'SpeculativeProposer', 'VerifyingSampler', 'speculative_decoding']
+           'greedy_verify', 'NgramProposer', 'draft_seed', 'DraftKV', 'draft_forward', 'DraftModelProposer',
+           'SpeculativeConfig', 'load_draft', 'GuessPlanner', 'SpecCounters', 'SpeculativeProposer', 'verify_positions',
+           'padded_guesses', 'repeat_positions', 'draft_probs', 'VerifyingSampler', 'speculative_decoding']
 
 # %% ../nbs/05_speculative.ipynb #64095ae4
 import json
@@ -113,7 +114,7 @@ def rejection_sample(
         )
     return accepted, exponential_race(pa, gens)  # every guess kept: a bonus token from p
 
-
+# %% ../nbs/05_speculative.ipynb #5e1f0a04
 def greedy_verify(
     logits: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,12 +159,11 @@ def draft_seed(seed: int) -> int:
     return (seed * 6364136223846793005 + 1442695040888963407) % 2**63
 
 # %% ../nbs/05_speculative.ipynb #413e4fa0
-class DraftModelProposer:
-    """A smaller model with the same tokenizer guesses k tokens, one forward each; it keeps KV
-    blocks of its own for every sequence, and a generator of its own for every seeded one."""
+class DraftKV:
+    """The draft model's own KV pool: for every sequence its block table, how many of its tokens
+    the draft has computed, the guesses of its last proposal, and its generator if seeded."""
 
-    def __init__(self, model: CausalLM, run_step, attention, num_blocks: int, block_size: int):
-        self.model, self.run_step, self.sampler = model, run_step, Sampler()
+    def __init__(self, model: CausalLM, attention, num_blocks: int, block_size: int):
         self.cache = PagedKVCache(
             model.config, num_blocks, block_size, model.device, model.dtype, attention
         )
@@ -173,7 +173,7 @@ class DraftModelProposer:
     def _sync(self, seq: Sequence) -> dict:
         """The sequence's draft state, rolled back to the tokens that are still the sequence's
         (rejected guesses go)."""
-        seed, dev = seq.params.seed, self.model.device
+        seed, dev = seq.params.seed, self.cache.device
         gen = None if seed is None else torch.Generator(dev).manual_seed(draft_seed(seed))
         st = self.state.setdefault(seq, dict(table=BlockTable(self.cache.block_size), computed=0,
                                              base=0, guesses=[], generator=gen))
@@ -183,28 +183,41 @@ class DraftModelProposer:
         st["table"].truncate(st["computed"], self.allocator)
         return st
 
-    def _forward(self, rows, params, gens):
-        """One draft forward over rows (tokens, start, table); the next token of each, and its q
-        (None if greedy)."""
-        step = self.cache.make_step([(t, s, tb.blocks, 1) for t, s, tb in rows])
-        logits = self.run_step(step, self.cache).float()
-        tokens, q = logits.max(-1).indices, [None] * len(rows)
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:
-            batch = SamplingBatch(
-                [params[i] for i in sampled], [gens[i] for i in sampled], with_penalties=False
-            )
-            probs = self.sampler.probs(logits[sampled], batch)
-            tokens[sampled] = exponential_race(probs, batch.generators)
-            for j, i in enumerate(sampled):
-                q[i] = probs[j]
-        return tokens.tolist(), q
+    def free(self, seq: Sequence):
+        "The sequence finished or was preempted: its draft blocks go back with the target's."
+        st = self.state.pop(seq, None)
+        if st is not None:
+            st["table"].free(self.allocator)
 
-    def propose(
-        self, seqs: list[Sequence], ks: list[int]
-    ) -> list[tuple[list[int], torch.Tensor | None]]:
-        # sequences with room in the draft's pool for the catch-up and k - 1 guesses (the k-th
-        # never runs)
+# %% ../nbs/05_speculative.ipynb #5e1f0a06
+def draft_forward(run_step, cache: PagedKVCache, sampler: Sampler, rows, params, gens):
+    """One draft forward over rows (tokens, start, table); the next token of each, and its q
+    (None if greedy)."""
+    step = cache.make_step([(t, s, tb.blocks, 1) for t, s, tb in rows])
+    logits = run_step(step, cache).float()
+    tokens, q = logits.max(-1).indices, [None] * len(rows)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        batch = SamplingBatch(
+            [params[i] for i in sampled], [gens[i] for i in sampled], with_penalties=False
+        )
+        probs = sampler.probs(logits[sampled], batch)
+        tokens[sampled] = exponential_race(probs, batch.generators)
+        for j, i in enumerate(sampled):
+            q[i] = probs[j]
+    return tokens.tolist(), q
+
+# %% ../nbs/05_speculative.ipynb #5e1f0a08
+class DraftModelProposer(DraftKV):
+    """A smaller model with the same tokenizer guesses k tokens, one forward each; it keeps KV
+    blocks of its own for every sequence (`DraftKV`), and a generator for every seeded one."""
+
+    def __init__(self, model: CausalLM, run_step, attention, num_blocks: int, block_size: int):
+        super().__init__(model, attention, num_blocks, block_size)
+        self.model, self.run_step, self.sampler = model, run_step, Sampler()
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+        # sequences with room for the catch-up and k - 1 guesses (the k-th never runs)
         live = []
         for s, k in zip(seqs, ks):
             if s.num_tokens + k - 1 > len(self.model.rotary.cos):
@@ -212,8 +225,7 @@ class DraftModelProposer:
             st = self._sync(s)
             if st["table"].append(s.num_tokens + k - 1 - st["table"].num_tokens, self.allocator):
                 live.append((s, k, st))
-        # one-token rows first, as `make_step` wants
-        live.sort(key=lambda e: e[0].num_tokens - e[2]["computed"] != 1)
+        live.sort(key=lambda e: e[0].num_tokens - e[2]["computed"] != 1)  # one-token rows first
         guesses, qs = {s: [] for s in seqs}, {s: [] for s in seqs}
         # the first forward runs every token the draft has not seen yet (at least the last); then
         # one guess each
@@ -221,7 +233,8 @@ class DraftModelProposer:
                  st["table"]) for s, _, st in live]
         while live:
             gens = [st["generator"] for _, _, st in live]
-            toks, q = self._forward(rows, [s.params for s, _, _ in live], gens)
+            toks, q = draft_forward(self.run_step, self.cache, self.sampler, rows,
+                                    [s.params for s, _, _ in live], gens)
             for (s, _, _), t, qq in zip(live, toks, q):
                 guesses[s].append(t)
                 qs[s].append(qq)
@@ -234,12 +247,6 @@ class DraftModelProposer:
                                      base=s.num_tokens, guesses=guesses[s])
         return [(guesses[s], torch.stack(qs[s]) if qs[s] and qs[s][0] is not None else None)
                 for s in seqs]
-
-    def free(self, seq: Sequence):
-        "The sequence finished or was preempted: its draft blocks go back with the target's."
-        st = self.state.pop(seq, None)
-        if st is not None:
-            st["table"].free(self.allocator)
 
 # %% ../nbs/05_speculative.ipynb #4449abc4
 METHODS = ("ngram", "draft_model")
@@ -331,21 +338,15 @@ def load_draft(cfg: SpeculativeConfig, model: CausalLM, tokenizer: Tokenizer) ->
     return copy.deepcopy(draft) if draft is model and cfg.quantization else draft
 
 # %% ../nbs/05_speculative.ipynb #459b8d91
-class SpeculativeProposer:
-    """Chapter 5's side of the scheduler: before each step, guesses for the decoding sequences,
-    as many as pay (`propose`); after it, what the runner kept of them (`verified`), which sets
-    the next k."""
+class GuessPlanner:
+    """Adaptive k: each sequence's decayed right and wrong guesses, and from them how many guesses
+    each decoding sequence gets in the next step (`plan_guesses`), within the backend's
+    `replay_limits`."""
 
-    def __init__(
-        self, cfg: SpeculativeConfig, proposer, token_cost: float, replay_limits: tuple | None
-    ):
-        self.config, self.proposer = cfg, proposer
-        self.token_cost, self.replay_limits = token_cost, replay_limits
+    def __init__(self, cfg: SpeculativeConfig, token_cost: float, replay_limits: tuple | None):
+        self.config, self.token_cost, self.replay_limits = cfg, token_cost, replay_limits
         # per sequence: decayed right and wrong guesses, steps since the last
         self.acceptance: dict[Sequence, list[float]] = {}
-        self.counters = dict.fromkeys(["drafts", "accepted", "emitted"], 0)
-        self.accepted_lengths = Counter()  # verify steps by number of accepted guesses
-        self.q: dict[Sequence, torch.Tensor] = {}  # the draft's q of the pending guesses
 
     def _cap(self, seq: Sequence) -> int:
         "The most guesses `seq` can use: k, fewer near its `max_tokens` or the context's end."
@@ -372,6 +373,49 @@ class SpeculativeProposer:
             st[2] = 0 if ks[i] else st[2] + 1
         return ks
 
+    def _learn(self, seq: Sequence, accepted: int, guessed: int):
+        "Decay, so that the rate follows the text as it changes."
+        st = self.acceptance.setdefault(seq, [0.0, 0.0, 0])
+        st[0], st[1] = 0.8 * st[0] + accepted, 0.8 * st[1] + (accepted < guessed)
+
+# %% ../nbs/05_speculative.ipynb #5e1f0a0a
+class SpecCounters:
+    "vLLM's speculative-decoding counters, and the verify steps by the number of guesses kept."
+
+    def __init__(self):
+        self.counters = dict.fromkeys(["drafts", "accepted", "emitted"], 0)
+        self.accepted_lengths = Counter()  # verify steps by number of accepted guesses
+
+    def _count(self, accepted: int, guessed: int):
+        c = self.counters
+        c["drafts"] += guessed
+        c["accepted"] += accepted
+        c["emitted"] += accepted + 1
+        self.accepted_lengths[accepted] += 1
+
+    def stats(self) -> dict:
+        c = self.counters
+        return dict(
+            spec_decode_num_draft_tokens_total=c["drafts"],
+            spec_decode_num_accepted_tokens_total=c["accepted"],
+            spec_decode_num_emitted_tokens_total=c["emitted"],
+            spec_decode_draft_acceptance_rate=c["accepted"] / c["drafts"] if c["drafts"] else 0.0,
+        )
+
+# %% ../nbs/05_speculative.ipynb #5e1f0a0c
+class SpeculativeProposer(GuessPlanner, SpecCounters):
+    """Chapter 5's side of the scheduler: before each step, guesses for the decoding sequences,
+    as many as pay (`propose`); after it, what the runner kept of them (`verified`), which sets
+    the next k."""
+
+    def __init__(
+        self, cfg: SpeculativeConfig, proposer, token_cost: float, replay_limits: tuple | None
+    ):
+        GuessPlanner.__init__(self, cfg, token_cost, replay_limits)
+        SpecCounters.__init__(self)
+        self.proposer = proposer
+        self.q: dict[Sequence, torch.Tensor] = {}  # the draft's q of the pending guesses
+
     def propose(self, seqs: list[Sequence]):
         """Set `spec_token_ids` of the decoding sequences (none while more than
         `disable_by_batch_size` decode)."""
@@ -393,14 +437,8 @@ class SpeculativeProposer:
         return self.q.get(seq)
 
     def verified(self, seq: Sequence, accepted: int, guessed: int):
-        c = self.counters
-        c["drafts"] += guessed
-        c["accepted"] += accepted
-        c["emitted"] += accepted + 1
-        self.accepted_lengths[accepted] += 1
-        # decay: the rate follows the text as it changes
-        st = self.acceptance.setdefault(seq, [0.0, 0.0, 0])
-        st[0], st[1] = 0.8 * st[0] + accepted, 0.8 * st[1] + (accepted < guessed)
+        self._count(accepted, guessed)
+        self._learn(seq, accepted, guessed)
         self.q.pop(seq, None)
 
     def free(self, seq: Sequence):
@@ -410,14 +448,45 @@ class SpeculativeProposer:
             self.acceptance.pop(seq, None)
         self.proposer.free(seq)
 
-    def stats(self) -> dict:
-        c = self.counters
-        return dict(
-            spec_decode_num_draft_tokens_total=c["drafts"],
-            spec_decode_num_accepted_tokens_total=c["accepted"],
-            spec_decode_num_emitted_tokens_total=c["emitted"],
-            spec_decode_draft_acceptance_rate=c["accepted"] / c["drafts"] if c["drafts"] else 0.0,
-        )
+# %% ../nbs/05_speculative.ipynb #5e1f0a01
+def verify_positions(num_logits: list[int], device) -> torch.Tensor:
+    """[B, k + 1]: the logits row of each verified position, row b's position j after its first j
+    guesses (positions past a row's guesses repeat its last), from the rows' `num_logits`."""
+    n = torch.tensor(num_logits, device=device)
+    first = n.cumsum(0) - n
+    return first[:, None] + torch.minimum(torch.arange(int(n.max()), device=device), n[:, None] - 1)
+
+
+def padded_guesses(rows: list[ScheduledRequest], K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    "The rows' guesses [B, K], padded with -1, and how many are real [B]."
+    draft = torch.tensor([r.guesses + [-1] * (K - len(r.guesses)) for r in rows], device=device)
+    return draft, (draft >= 0).sum(-1)
+
+
+def repeat_positions(batch: SamplingBatch, draft: torch.Tensor) -> SamplingBatch:
+    """`batch` with each row repeated for its k + 1 verified positions; with penalties, position j
+    counts the row's first j guesses as generated, so that the penalties stay exact."""
+    (B, K), extra = draft.shape, None
+    if batch.penalties is not None:
+        V = batch.penalties.counts.shape[1]
+        hot = F.one_hot(draft.clamp(min=0), V).float() * (draft >= 0).unsqueeze(-1)  # [B, K, V]
+        extra = torch.cat([hot.new_zeros(B, 1, V), hot.cumsum(1)], 1).flatten(0, 1)
+    return SamplingBatch.of(batch, [b for b in range(B) for _ in range(K + 1)], extra)
+
+# %% ../nbs/05_speculative.ipynb #5e1f0a0d
+def draft_probs(rows: list[ScheduledRequest], K: int, V: int, device) -> torch.Tensor | None:
+    """q [B, k, n_vocab] for draft-model guesses (one-hot for rows whose guesses were
+    deterministic), or None where no row has a draft model's q."""
+    if all(r.draft_probs is None for r in rows):
+        return None
+    q = torch.zeros(len(rows), K, V, device=device)
+    for b, r in enumerate(rows):
+        n = len(r.guesses)
+        if r.draft_probs is not None:
+            q[b, :n] = r.draft_probs[:n]
+        elif n:
+            q[b, torch.arange(n), torch.tensor(r.guesses, device=device)] = 1.0
+    return q
 
 # %% ../nbs/05_speculative.ipynb #459b8d92
 class VerifyingSampler(NextTokenSampler):
@@ -429,66 +498,35 @@ class VerifyingSampler(NextTokenSampler):
         ks = [r.num_logits for r in rows]
         if all(k == 1 for k in ks):
             return super().__call__(logits, rows, batch)
-        B, K, dev = len(rows), max(ks) - 1, logits.device
-        starts = np.cumsum([0] + ks[:-1]).tolist()
-        at = [[st + min(j, k - 1) for j in range(K + 1)] for st, k in zip(starts, ks)]
-        at = torch.tensor(at, device=dev)
-        raw = logits.float()[at]  # [B, k + 1, n_vocab]: row j follows the first j guesses
-        draft = torch.tensor([r.guesses + [-1] * (K - len(r.guesses)) for r in rows], device=dev)
-        num_draft = torch.tensor([k - 1 for k in ks], device=dev)
-        positions = self._positions(batch, draft, K)  # a SamplingBatch row per verified position
+        dev = logits.device
+        raw = logits.float()[verify_positions(ks, dev)]  # [B, k + 1, n_vocab]
+        draft, num_draft = padded_guesses(rows, raw.shape[1] - 1, dev)
+        plain = batch.all_greedy and batch.penalties is None and not batch.wants_logprobs
+        positions = None if plain else repeat_positions(batch, draft)  # a row per position
         scores = raw
-        if positions.penalties is not None:
+        if batch.penalties is not None:
             scores = apply_penalties(raw.flatten(0, 1), positions.penalties).view(raw.shape)
-        accepted, nxt = torch.empty_like(num_draft), torch.empty_like(num_draft)
-        greedy = [b for b in range(B) if batch.greedy[b]]
-        if greedy:
-            g = (scores[greedy], draft[greedy], num_draft[greedy])
-            accepted[greedy], nxt[greedy] = greedy_verify(*g)
-        sampled = [b for b in range(B) if not batch.greedy[b]]
-        if sampled:  # p: chapter 1's temperature, top-k, top-p and min-p, position by position
-            rows_at = [b * (K + 1) + j for b in sampled for j in range(K + 1)]
-            p = self.sampler.probs(scores[sampled].flatten(0, 1), SamplingBatch.of(positions, rows_at))
-            p = p.view(len(sampled), K + 1, -1)
-            q = self._draft_probs([rows[b] for b in sampled], K, p.shape[-1], dev)
-            gens = [batch.generators[b] for b in sampled]
-            s = (p, draft[sampled], num_draft[sampled], q, gens)
-            accepted[sampled], nxt[sampled] = rejection_sample(*s)
+        accepted, nxt = greedy_verify(scores, draft, num_draft)  # every row at once ...
+        if not batch.all_greedy:  # ... then the rows that sample, by rejection sampling
+            self._sample(scores, rows, batch, positions, draft, num_draft, accepted, nxt)
         accepted, nxt = accepted.tolist(), nxt.tolist()
         new = [r.guesses[:a] + [t] for r, a, t in zip(rows, accepted, nxt)]
         return new, self._logprobs(raw, positions, new)
 
-    @staticmethod
-    def _positions(batch: SamplingBatch, draft: torch.Tensor, K: int) -> SamplingBatch:
-        """`batch` with each row repeated for its K + 1 verified positions; with penalties,
-        position j counts the row's first j guesses as generated, so that the penalties stay
-        exact."""
-        B = len(batch)
-        extra = None
-        if batch.penalties is not None:
-            V = batch.penalties.counts.shape[1]
-            hot = F.one_hot(draft.clamp(min=0), V).float() * (draft >= 0).unsqueeze(-1)  # [B, K, V]
-            extra = torch.cat([hot.new_zeros(B, 1, V), hot.cumsum(1)], 1).flatten(0, 1)
-        return SamplingBatch.of(batch, [b for b in range(B) for _ in range(K + 1)], extra)
+    def _sample(self, scores, rows, batch, positions, draft, num_draft, accepted, nxt):
+        """Rejection sampling for the rows that sample, into `accepted` and `nxt`; p: chapter 1's
+        temperature, top-k, top-p and min-p, position by position."""
+        sampled, K1 = [b for b, g in enumerate(batch.greedy) if not g], scores.shape[1]
+        at = SamplingBatch.of(positions, [b * K1 + j for b in sampled for j in range(K1)])
+        p = self.sampler.probs(scores[sampled].flatten(0, 1), at).view(len(sampled), K1, -1)
+        q = draft_probs([rows[b] for b in sampled], K1 - 1, p.shape[-1], scores.device)
+        gens = [batch.generators[b] for b in sampled]
+        s = (p, draft[sampled], num_draft[sampled], q, gens)
+        accepted[sampled], nxt[sampled] = rejection_sample(*s)
 
-    @staticmethod
-    def _draft_probs(rows: list[ScheduledRequest], K: int, V: int, dev):
-        """q [B, k, n_vocab] for draft-model guesses (one-hot for rows whose guesses were
-        deterministic), or None."""
-        if all(r.draft_probs is None for r in rows):
-            return None
-        q = torch.zeros(len(rows), K, V, device=dev)
-        for b, r in enumerate(rows):
-            n = len(r.guesses)
-            if r.draft_probs is not None:
-                q[b, :n] = r.draft_probs[:n]
-            elif n:
-                q[b, torch.arange(n), torch.tensor(r.guesses, device=dev)] = 1.0
-        return q
-
-    def _logprobs(self, raw: torch.Tensor, positions: SamplingBatch, new: list[list[int]]):
+    def _logprobs(self, raw: torch.Tensor, positions: SamplingBatch | None, new: list[list[int]]):
         "The target's logprobs of each emitted token, for the rows that asked."
-        if not positions.wants_logprobs:
+        if positions is None or not positions.wants_logprobs:
             return [[None] * len(t) for t in new]
         K1 = raw.shape[1]
         toks = torch.tensor([t + [0] * (K1 - len(t)) for t in new], device=raw.device)

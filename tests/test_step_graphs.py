@@ -113,3 +113,33 @@ def test_speculative_steps_replay_too(method):
         if not eager: replayed = eng
     assert runs[False] == runs[True] and replayed.scheduler.proposer.counters["drafts"] > 0
     assert max(tokens for tokens, *_ in replayed.runner.model.graphs) > 2     # a step with guesses was recorded
+
+
+def test_padded_steps_equal_python_steps_and_keep_padding_in_the_scratch_block():
+    """Steps of sizes that were not recorded (17-20 decode rows, verify rows of 1 + 7 at batch 6) run
+    padded up to the next recorded size; their tokens are Python's, and the padding rows write only
+    the scratch block past the pool's end."""
+    from mini_infer.step_graphs import GRAPH_SIZES, scratch_block
+    model = tiny_model()
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 151, (n,)).tolist() for n in range(3, 23)]          # 20 requests
+    params = [SamplingParams(temperature=0 if i % 4 else 0.7, seed=i, max_tokens=12, ignore_eos=True, logprobs=1) for i in range(20)]
+    spec = dict(method="ngram", num_speculative_tokens=7, adaptive=False, prompt_lookup_min=1, disable_by_batch_size=None)
+    copy = [[5, 6, 7, 8, 9, 10, 11, 12] * 4] * 6                                    # verify rows of 8 tokens, 48 in a step
+    copy_params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 6
+    runs, engines = {}, {}
+    for eager in (False, True):
+        engines[eager] = (plain := LLMEngine(model, NoText(), num_blocks=200, block_size=4, enforce_eager=eager),
+                          spec_eng := LLMEngine(model, NoText(), num_blocks=200, block_size=4, enforce_eager=eager, speculative_config=spec))
+        runs[eager] = ([(o.token_ids, o.logprobs) for o in run_to_completion(plain, prompts, params)],
+                       [o.token_ids for o in run_to_completion(spec_eng, copy, copy_params)])
+    assert runs[False] == runs[True]
+    plain, spec_eng = engines[False]
+    for eng in (plain, spec_eng):
+        assert scratch_block(eng.cache) == eng.cache.num_blocks
+        sizes = {size for size, *_ in eng.runner.model.graphs}
+        assert sizes <= set(GRAPH_SIZES) and max(sizes) > 16                             # a padded size was recorded
+        k, n = eng.cache.k, eng.cache.num_blocks
+        scratch = k.as_strided((len(k), *k.shape[2:]), (k.stride(0), *k.stride()[2:]), k.storage_offset() + n * k.stride(1))
+        assert torch.signbit(scratch).any()                 # the padding rows wrote there (-0.0: K of their zeroed hidden states)
+    assert spec_eng.scheduler.proposer.counters["drafts"] > 0
