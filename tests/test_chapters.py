@@ -61,6 +61,16 @@ def test_frame(p):
     assert len(re.findall(r"^#+ .*exercise", md, re.M | re.I)) >= 3, "at least three exercises"
 
 
+def test_landing_page_reading_times():
+    "The landing page's course table gives every chapter the reading time the chapter states."
+    index = "\n".join(src(c) for c in cells(NBS / "index.ipynb") if c["cell_type"] == "markdown")
+    for p in CHAPTERS:
+        row = re.search(r"\]\(nbs/" + re.escape(p.name) + r"\)[^\n]*\| ~(\d+) min \|", index)
+        assert row, f"{p.name}: a row with its reading time in the landing page's course table"
+        stated = re.search(r"\*\*Reading time\*\*: about (\d+) min", markdown(p)).group(1)
+        assert row.group(1) == stated, f"{p.name}: the landing page says ~{row.group(1)} min, the chapter {stated}"
+
+
 if __name__ == "__main__":
     for p in CHAPTERS:
         print(f"{p.name:40s} {reading_minutes(p):5.0f} min")
