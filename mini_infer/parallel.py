@@ -370,9 +370,12 @@ def chat_workload(n_conversations: int, n_turns: int) -> list[list[str]]:
     return [[asks[t % len(asks)].format(topics[c % len(topics)]) for t in range(n_turns)] for c in range(n_conversations)]
 
 
-def simulate_chat(engines, router, conversations: list[list[str]], params: SamplingParams, system: str) -> dict:
+def simulate_chat(
+    engines, router, conversations: list[list[str]], params: SamplingParams, system: str, step_time=None
+) -> dict:
     """Serve multi-turn `conversations` on `engines` (replicas) through `router`, each replica on its
-    own clock of measured step times; prefix-cache hit rate over the prompts and TTFTs (seconds)."""
+    own clock of measured step times (or of `step_time(outputs)` seconds per step: reproducible);
+    prefix-cache hit rate over the prompts and TTFTs (seconds)."""
     tok = engines[0].tokenizer
     messages = [[{"role": "system", "content": system}] for _ in conversations]
     turn, clock, arrivals, inflight, ttft = [0] * len(conversations), [0.0] * len(engines), [], {}, []
@@ -393,7 +396,7 @@ def simulate_chat(engines, router, conversations: list[list[str]], params: Sampl
         i = min(busy)[1]
         t0 = time.perf_counter()
         outs = engines[i].step()
-        clock[i] += time.perf_counter() - t0
+        clock[i] += time.perf_counter() - t0 if step_time is None else step_time(outs)
         for o in outs:
             req = inflight[o.request_id]
             if o.new_token_ids and not req["started"]:
