@@ -6,10 +6,10 @@ Docs: https://mini-infer.github.io/mini-infer/scaling_out.html.md"""
 
 # %% auto #0
 __all__ = ['STARTUP_TIMEOUT', 'STEP_TIMEOUT', 'IDLE_TIMEOUT', 'rank_config', 'DistShard', 'launched_rank', 'rank_device',
-           'init_rank', 'load_rank', 'broadcast', 'worker_main', 'WorkerDied', 'WorkerProcs', 'Workers',
-           'TensorParallelRunner', 'TensorParallelEngine', 'decode_step_seconds', 'time_collectives',
-           'ring_all_reduce_seconds', 'QueueRouter', 'prefix_keys', 'PrefixRouter', 'chat_workload', 'simulate_chat',
-           'Replicas', 'DataParallelEngine']
+           'tp_device', 'tp_groups', 'init_rank', 'load_rank', 'broadcast', 'worker_main', 'WorkerDied', 'WorkerProcs',
+           'rendezvous', 'Workers', 'start_workers', 'TensorParallelRunner', 'TensorParallelEngine',
+           'decode_step_seconds', 'time_collectives', 'ring_all_reduce_seconds', 'QueueRouter', 'prefix_keys',
+           'PrefixRouter', 'chat_workload', 'simulate_chat', 'Replicas', 'DataParallelEngine']
 
 # %% ../nbs/09_scaling_out.ipynb #fd58a070
 import heapq, os, shutil, statistics, tempfile, time, weakref
@@ -57,7 +57,7 @@ class DistShard(Shard):
         the other ranks get an empty tensor."""
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=0, group=self.group)
+        dist.gather(x, parts, group_dst=0, group=self.group)
         return torch.cat(parts, -1) if self.rank == 0 else x[..., :0]
 
 # %% ../nbs/09_scaling_out.ipynb #0edb2f1e
@@ -80,18 +80,34 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if device.type == "cuda" else device
 
 
-def init_rank(rank: int, size: int, init_method: str, device: torch.device):
-    """Join the group; return this rank's `DistShard`, whose collectives (NCCL on CUDA, gloo
-    elsewhere) time out after `STEP_TIMEOUT`, and a gloo group for the step inputs (plain Python
-    objects, waited on while idle)."""
+def tp_device(device) -> torch.device:
+    "The device asked for, else CUDA if there is one, else the CPU."
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+# %% ../nbs/09_scaling_out.ipynb #34bf5d62
+def tp_groups(size: int, replicas: int = 1) -> list[list[int]]:
+    """The ranks of each replica's tensor-parallel group of `size`, in one world of
+    1 + replicas·(size−1) processes: rank 0 (this process) is in every group, the workers in one."""
+    return [[0, *range(1 + k * (size - 1), 1 + (k + 1) * (size - 1))] for k in range(replicas)]
+
+
+def init_rank(rank: int, groups: list[list[int]], init_method: str, device: torch.device):
+    """Join the world; for each of `groups` this rank is in, its `DistShard`, whose collectives
+    (NCCL on CUDA, gloo elsewhere) time out after `STEP_TIMEOUT`, and a gloo group for the step
+    inputs (plain Python objects, waited on while idle)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        "gloo", init_method=init_method, rank=rank, world_size=size, timeout=STARTUP_TIMEOUT
-    )
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    model_group = dist.new_group(backend=backend, timeout=STEP_TIMEOUT)
-    return DistShard(rank, size, model_group), dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    world = 1 + sum(len(g) - 1 for g in groups)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=STARTUP_TIMEOUT)
+    backend, mine = ("nccl" if device.type == "cuda" else "gloo"), []
+    for ranks in groups:  # every rank creates every group, in the same order
+        model_group = dist.new_group(ranks, backend=backend, timeout=STEP_TIMEOUT)
+        control = dist.new_group(ranks, backend="gloo", timeout=IDLE_TIMEOUT)
+        if rank in ranks:
+            mine.append((DistShard(ranks.index(rank), len(ranks), model_group), control))
+    return mine
+
 
 # %% ../nbs/09_scaling_out.ipynb #afe4c6da
 def load_rank(model: str | None, device, dtype, shard: DistShard):
@@ -104,16 +120,16 @@ def load_rank(model: str | None, device, dtype, shard: DistShard):
 def broadcast(obj, control):
     "`obj` (any picklable value) from rank 0 to every rank: one collective on the control group."
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=control)
+    dist.broadcast_object_list(box, group_src=0, group=control)
     return box[0]
 
 # %% ../nbs/09_scaling_out.ipynb #007562c6
-def worker_main(rank, size, init_method, model, device, dtype, config: EngineConfig, threads: int):
-    """A worker process (ranks 1..N-1): load its slices, build an engine around them for its KV
+def worker_main(rank, groups, init_method, model, device, dtype, config: EngineConfig, threads: int):
+    """A worker process (rank 1.. of the world, in one of `groups`): load its slices, build an engine around them for its KV
     pool, then run a forward for each step's rows that rank 0 broadcasts, until it sends None."""
     torch.set_num_threads(threads)
     device = rank_device(torch.device(device), rank)
-    shard, control = init_rank(rank, size, init_method, device)
+    [(shard, control)] = init_rank(rank, groups, init_method, device)
     try:
         m, tokenizer = load_rank(model, device, dtype, shard)
         num_blocks = broadcast(None, control)  # rank 0's memory plan
@@ -130,15 +146,16 @@ class WorkerDied(EngineDead):
     server answers 503 from then on)."""
 
 
+# %% ../nbs/09_scaling_out.ipynb #b6b95066
 class WorkerProcs(list):
     "The worker processes this one started (none when a launcher started them): alive or not, and their end."
 
     @classmethod
-    def spawn(cls, size: int, init_method: str, *args) -> "WorkerProcs":
-        "Ranks 1..size-1 started with spawn, each running `worker_main(rank, size, init_method, *args)`."
+    def spawn(cls, groups: list[list[int]], init_method: str, *args) -> "WorkerProcs":
+        "The workers of `groups` started with spawn, each running `worker_main(rank, groups, init_method, *args)`."
         ctx = mp.get_context("spawn")
         procs = cls(ctx.Process(target=worker_main, daemon=True, name=f"tp-rank-{r}",
-                                args=(r, size, init_method, *args)) for r in range(1, size))
+                                args=(r, groups, init_method, *args)) for g in groups for r in g[1:])
         for p in procs:
             p.start()
         return procs
@@ -166,40 +183,47 @@ class WorkerProcs(list):
                 p.kill()
                 p.join(5)
 
+# %% ../nbs/09_scaling_out.ipynb #98bb5f90
+def rendezvous(groups: list[list[int]], *args) -> tuple[str, str | None, WorkerProcs]:
+    """Where the world meets, the temporary folder to remove afterwards, and the workers started:
+    a `file://` path and spawned workers, or `env://` and none when a launcher started every rank."""
+    if launched_rank() is not None:
+        return "env://", None, WorkerProcs()
+    tmp = tempfile.mkdtemp(prefix="mini-infer-tp-")
+    init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
+    return init_method, tmp, WorkerProcs.spawn(groups, init_method, *args)
+
+
 # %% ../nbs/09_scaling_out.ipynb #41cdf977
 class Workers:
-    """This process as rank 0 of the tensor-parallel group, and the workers: `send` a step's rows,
-    `close` them all."""
+    """This process as rank 0 of one tensor-parallel group per replica, and all their workers:
+    `send` a group's step rows, `close` them all."""
 
-    def __init__(self, size: int, model, device, dtype, config: EngineConfig, threads: int):
-        self.size, self.closed, self.tmp = size, False, None
-        if launched_rank() is not None:
-            init_method, self.procs = "env://", WorkerProcs()
-        else:
-            self.tmp = tempfile.mkdtemp(prefix="mini-infer-tp-")
-            init_method = f"file://{os.path.join(self.tmp, 'rendezvous')}"
-            self.procs = WorkerProcs.spawn(size, init_method, model, str(device), dtype, config, threads)
+    def __init__(self, size: int, model, device, dtype, config: EngineConfig, threads: int, replicas: int = 1):
+        self.closed, groups = False, tp_groups(size, replicas)
+        init_method, self.tmp, self.procs = rendezvous(groups, model, str(device), dtype, config, threads)
         try:
-            self.shard, self.control = init_rank(0, size, init_method, rank_device(device, 0))
+            self.groups = init_rank(0, groups, init_method, rank_device(device, 0))  # (shard, control) each
         except BaseException:
             self.close(force=True)
             raise
 
-    def send(self, rows):
-        "Broadcast one step's rows (None: stop) to the workers."
+    def send(self, rows, group: int = 0):
+        "Broadcast one step's rows (None: stop) to the workers of group `group`."
         self.procs.check()
-        broadcast(rows, self.control)
+        broadcast(rows, self.groups[group][1])
 
     def close(self, timeout: float = 10.0, force: bool = False):
         """Stop the workers (politely if all are alive and not `force`d, a worker mid-step cannot
-        listen; then by force), leave the group, remove the rendezvous file."""
+        listen; then by force), leave the world, remove the rendezvous file."""
         if self.closed:
             return
         self.closed = True
         polite = not force and all(p.exitcode is None for p in self.procs)
         if polite:
             try:
-                broadcast(None, self.control)
+                for _, control in self.groups:
+                    broadcast(None, control)
             except Exception:
                 polite = False
         self.procs.stop(timeout if polite else 0)
@@ -208,19 +232,39 @@ class Workers:
         if self.tmp:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
+
+# %% ../nbs/09_scaling_out.ipynb #e4053e70
+def start_workers(model, device: torch.device, dtype, config: EngineConfig) -> Workers:
+    """Rank 0's side of `config`'s tensor-parallel groups, one per data-parallel replica, their
+    workers started. Started by a launcher, ranks 1.. become workers here and end the process."""
+    size, replicas = config.tensor_parallel_size, config.data_parallel_size
+    # the C kernels' recorded steps (chapter 7) cannot replay a collective: every step eager
+    config = replace(config, enforce_eager=True, data_parallel_size=1)
+    if (launched := launched_rank()) is not None:
+        rank, world = launched
+        if world != 1 + replicas * (size - 1):
+            raise ValueError(f"the launcher started {world} processes for tensor_parallel_size={size}"
+                             f" and data_parallel_size={replicas} (1 + {replicas}·{size - 1} needed)")
+        if rank > 0:  # a worker: serve rank 0's steps, then end this process
+            worker_main(rank, tp_groups(size, replicas), "env://", model, str(device), dtype, config,
+                        torch.get_num_threads())
+            raise SystemExit(0)
+    return Workers(size, model, device, dtype, config, torch.get_num_threads(), replicas)
+
+
 # %% ../nbs/09_scaling_out.ipynb #3b3fbccb
 class TensorParallelRunner(ModelRunner):
     """Rank 0's runner: broadcast the step's rows (plain lists), then run its own slices like
     every rank and sample from the gathered logits. A failure stops every rank."""
 
-    def __init__(self, workers: Workers, runner: ModelRunner):
+    def __init__(self, workers: Workers, runner: ModelRunner, group: int = 0):
         super().__init__(runner.model, runner.cache, runner.vocab_size, runner.device, runner.sampler)
-        self.workers = workers
+        self.workers, self.group = workers, group
 
     def execute(self, out):
         try:
             if out.scheduled:
-                self.workers.send([(r.token_ids, r.start, r.block_ids, r.num_logits) for r in out.scheduled])
+                self.workers.send([(r.token_ids, r.start, r.block_ids, r.num_logits) for r in out.scheduled], self.group)
             return super().execute(out)
         except BaseException as e:
             dead = self.workers.procs.dead()
@@ -232,35 +276,29 @@ class TensorParallelRunner(ModelRunner):
 # %% ../nbs/09_scaling_out.ipynb #f79ef908
 class TensorParallelEngine(LLMEngine):
     """`LLMEngine` over `tensor_parallel_size` processes: this one is rank 0 (it schedules,
-    samples and holds its slices), the others are workers. `close()` stops them; so does
-    garbage collection and interpreter exit."""
+    samples and holds its slices), the others are workers; or over group `group` of `workers`
+    when it is one replica of several. `close()` stops the workers; so does garbage collection
+    and interpreter exit."""
 
-    def __init__(self, model: str | None, device, dtype, config: EngineConfig):
-        size = config.tensor_parallel_size
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        # the C kernels' recorded steps (chapter 7) cannot replay a collective: every step eager
-        config = replace(config, enforce_eager=True)
-        if (launched := launched_rank()) is not None:
-            rank, world = launched
-            if world != size:
-                raise ValueError(f"the launcher started {world} processes for tensor_parallel_size={size}")
-            if rank > 0:  # a worker: serve rank 0's steps, then end this process
-                worker_main(rank, size, "env://", model, str(device), dtype, config, torch.get_num_threads())
-                raise SystemExit(0)
-        self.workers = Workers(size, model, device, dtype, config, torch.get_num_threads())
+    def __init__(self, model: str | None, device, dtype, config: EngineConfig, workers: Workers | None = None,
+                 group: int = 0):
+        device, config = tp_device(device), replace(config, enforce_eager=True)
+        self.workers = workers if workers is not None else start_workers(model, device, dtype, config)
         self._finalizer = weakref.finalize(self, self.workers.close)
         try:
-            m, tokenizer = load_rank(model, rank_device(device, 0), dtype, self.workers.shard)
+            shard, control = self.workers.groups[group]
+            m, tokenizer = load_rank(model, rank_device(device, 0), dtype, shard)
             super().__init__(m, tokenizer, config)
-            broadcast(self.memory.num_blocks, self.workers.control)
+            broadcast(self.memory.num_blocks, control)
         except BaseException:
             self.workers.close(force=True)
             raise
-        self.runner = TensorParallelRunner(self.workers, self.runner)
+        self.runner = TensorParallelRunner(self.workers, self.runner, group)
 
     def close(self):
         "Stop the workers and leave the process group (idempotent)."
         self._finalizer()
+
 
 # %% ../nbs/09_scaling_out.ipynb #d223887a
 def decode_step_seconds(llm, prompts, max_tokens: int) -> float:
@@ -343,24 +381,34 @@ def prefix_keys(ids: list[int], block_size: int) -> list[int]:
     return keys
 
 
+# %% ../nbs/09_scaling_out.ipynb #a9ee305b
 class PrefixRouter(QueueRouter):
-    """Prefix affinity: the replica whose past prompts share the longest prefix with this one, if
-    it covers `threshold` of the prompt and that replica has at most `slack` more requests than the
-    least loaded; else the least loaded."""
+    """Prefix affinity: the replica whose past prompts hold the most of this one beyond its shared
+    part (the prefix up to its last branch point), if that replica has at most `slack` more
+    requests than the least loaded; else the least loaded."""
 
-    def __init__(self, n: int, block_size: int = 16, threshold: float = 0.5, slack: int = 4):
+    def __init__(self, n: int, block_size: int = 16, slack: int = 4):
         super().__init__(n)
-        self.block_size, self.threshold, self.slack = block_size, threshold, slack
+        self.block_size, self.slack = block_size, slack
         self.seen = [set() for _ in range(n)]  # the prefix keys each replica has been sent
+        self.next: dict[int, set[int]] = {}  # prefix key -> the keys that followed it in some prompt
+
+    def shared(self, keys: list[int]) -> int:
+        "Blocks of `keys` up to the last one that an earlier prompt continued differently."
+        ends = [j + 1 for j, k in enumerate(keys) if self.next.get(k, set()) - set(keys[j + 1 : j + 2])]
+        return max(ends, default=0)
 
     def route(self, ids: list[int], loads: list[int]) -> int:
         keys, least = prefix_keys(ids, self.block_size), super().route(ids, loads)
+        shared = self.shared(keys)
         match = [next((k for k in range(len(keys), 0, -1) if keys[k - 1] in s), 0) for s in self.seen]
         best = max(range(self.n), key=lambda r: (match[r], -loads[r]))
-        covered = match[best] * self.block_size >= self.threshold * len(ids)
-        r = best if covered and loads[best] - loads[least] <= self.slack else least
+        r = best if match[best] > shared and loads[best] - loads[least] <= self.slack else least
         self.seen[r].update(keys)
+        for a, b in zip(keys, keys[1:]):
+            self.next.setdefault(a, set()).add(b)
         return r
+
 
 # %% ../nbs/09_scaling_out.ipynb #7a28479e
 def chat_workload(n_conversations: int, n_turns: int) -> list[list[str]]:
@@ -420,12 +468,12 @@ class Replicas:
     counters summed. Nothing crosses between them."""
 
     def __init__(self, model: str | None, device, dtype, config: EngineConfig):
-        if config.tensor_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 needs one process "
-                             "per replica (one server each, behind a router)")
-        one = replace(config, data_parallel_size=1)
-        self.replicas = [LLMEngine(*load_model(model, device=device, dtype=dtype), one)
-                         for _ in range(config.data_parallel_size)]
+        n, one = config.data_parallel_size, replace(config, data_parallel_size=1)
+        if config.tensor_parallel_size > 1:  # one world: this process is rank 0 of every replica's group
+            workers = start_workers(model, tp_device(device), dtype, config)
+            self.replicas = [TensorParallelEngine(model, device, dtype, one, workers, k) for k in range(n)]
+        else:
+            self.replicas = [LLMEngine(*load_model(model, device=device, dtype=dtype), one) for _ in range(n)]
         self.model, self.tokenizer = self.replicas[0].model, self.replicas[0].tokenizer
         self.max_model_len = min(e.max_model_len for e in self.replicas)
 

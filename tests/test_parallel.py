@@ -232,13 +232,28 @@ def test_queue_router_picks_least_loaded():
 
 def test_prefix_router_affinity_and_fallback():
     from mini_infer.parallel import PrefixRouter
-    r = PrefixRouter(2, block_size=4, threshold=0.5, slack=2)
+    r = PrefixRouter(2, block_size=4, slack=2)
     turn1 = list(range(40))
     first = r.route(turn1, [0, 0])
     assert r.route(turn1 + [99] * 8, [0, 0]) == first              # the next turn follows its history
     assert r.route(turn1 + [99] * 8, [3, 0] if first == 0 else [0, 3]) != first   # too busy: balance
     other = r.route([7] * 40, [1, 0] if first == 0 else [0, 1])    # nothing shared: the least loaded
     assert other != first
+
+
+def test_prefix_router_spreads_a_shared_system_prompt():
+    """Conversations that share a system prompt spread over the replicas (the shared prefix is no reason to pick
+    one); the next turns of each come back to its replica, even when the other one is less busy."""
+    from mini_infer.parallel import PrefixRouter
+    r, system, loads = PrefixRouter(2, block_size=4, slack=2), list(range(100, 120)), [0, 0]
+    talks, homes = [system + [c] * 9 for c in range(4)], []   # 5 shared blocks, then 2 of each conversation
+    for ids in talks:
+        homes.append(h := r.route(ids, loads))
+        loads[h] += 1
+    assert homes == [0, 1, 0, 1]
+    for ids, h in zip(talks, homes):
+        assert r.route(ids + [7] * 8, [1, 0] if h == 0 else [0, 1]) == h
+    assert r.route(system + [9] * 9, [3, 2]) == 1             # a new conversation: the least loaded
 
 
 def test_prefix_affinity_beats_queue_balancing_on_chat(tiny_qwen):
@@ -275,8 +290,21 @@ def test_data_parallel_engine_equals_one_engine(tiny_qwen):
         assert [o.finish_reason for o in engine.step()] == ["abort"]   # reported on the next step, as one engine does
         assert not engine.has_unfinished() and not engine.where
     same(ref, out, atol=0)
-    with pytest.raises(ValueError, match="one process per replica"):
-        LLM(tiny_qwen, device="cpu", data_parallel_size=2, tensor_parallel_size=2)
+
+
+def test_data_parallel_of_tensor_parallel_equals_one_engine(tiny_qwen):
+    """DP = 2 × TP = 2: one world of three processes (this one rank 0 of both groups), both replicas work, the
+    greedy tokens are one engine's; closing leaves no worker (the guard checks)."""
+    sp = SamplingParams(max_tokens=12, temperature=0, logprobs=0)
+    ref = generate(tiny_qwen, PROMPTS, sp, kv_cache_memory_gb=0.05)
+    with LLM(tiny_qwen, device="cpu", dtype="float32", kv_cache_memory_gb=0.05, data_parallel_size=2,
+             tensor_parallel_size=2) as llm:
+        engine = llm.engine
+        assert [len(e.workers.procs) for e in engine.replicas] == [2, 2] and engine.replicas[0].workers.procs is \
+            engine.replicas[1].workers.procs                   # one world: two workers, one per replica
+        out = llm.generate(PROMPTS, sp)
+        assert all(e.stats()["steps_total"] > 0 for e in engine.replicas)
+    same(ref, out)
 
 
 def test_server_with_data_parallel_size(tiny_qwen):
