@@ -464,8 +464,9 @@ def simulate_chat(
 
 # %% ../nbs/09_scaling_out.ipynb #de32706e
 class Replicas:
-    """`data_parallel_size` whole engines read as one: their requests, whether any has work, their
-    counters summed. Nothing crosses between them."""
+    """`data_parallel_size` whole engines (tensor-parallel ones over one shared world when
+    `tensor_parallel_size` > 1) read as one: their requests, whether any has work, their counters
+    summed. Nothing crosses between them."""
 
     def __init__(self, model: str | None, device, dtype, config: EngineConfig):
         n, one = config.data_parallel_size, replace(config, data_parallel_size=1)
