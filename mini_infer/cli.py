@@ -300,7 +300,8 @@ def _parallel_args(p):
         "-dp",
         type=int,
         default=1,
-        help="N whole engine replicas in this process, requests routed by prefix affinity (chapter 9)",
+        help="N engine replicas behind this server, each tensor-parallel with --tensor-parallel-size, "
+        "requests routed by prefix affinity (chapter 9)",
     )
 
 
