@@ -125,8 +125,9 @@ def broadcast(obj, control):
 
 # %% ../nbs/09_scaling_out.ipynb #007562c6
 def worker_main(rank, groups, init_method, model, device, dtype, config: EngineConfig, threads: int):
-    """A worker process (rank 1.. of the world, in one of `groups`): load its slices, build an engine around them for its KV
-    pool, then run a forward for each step's rows that rank 0 broadcasts, until it sends None."""
+    """A worker process (rank 1.. of the world, in one of `groups`): load its slices, build an
+    engine around them for its KV pool, then run a forward for each step's rows that rank 0
+    broadcasts, until it sends None."""
     torch.set_num_threads(threads)
     device = rank_device(torch.device(device), rank)
     [(shard, control)] = init_rank(rank, groups, init_method, device)
