@@ -261,11 +261,11 @@ def test_ch07_rms_norm():
 
 def test_ch07_replayed():
     from mini_infer.exercises_07c import check_replayed
-    steps = [[1] * 16, [1] * 17, [4, 4, 4, 4], [9], [1, 1, 8, 6], [3] * 6, [5] * 13, [1] * 70]
+    steps = [[1] * 16, [1] * 17, [4, 4, 4, 4], [10], [1, 1, 9, 5], [3] * 6, [5] * 13, [1] * 70]
     ns = solution("07c_step_replay.ipynb", "Exercise 7.8")
     assert check_replayed(ns["prediction"], steps).ok is True
     rows_only = check_replayed([True, True, True, True, True, True, False, False], steps)   # forgot a limit
-    assert rows_only.ok is False and "no row of more than 8" in rows_only.message
+    assert rows_only.ok is False and "no row of more than 9" in rows_only.message
     assert check_replayed([True] * 3, steps).ok is False
     assert check_replayed(None, steps).ok is None
 
