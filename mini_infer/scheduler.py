@@ -207,9 +207,8 @@ class ScheduledRequest:
     num_logits: int  # logits rows wanted: 0 in the middle of a prompt, else 1 + len(guesses)
     # the last len(guesses) tokens, to verify (chapter 5)
     guesses: list[int] = field(default_factory=list)
-    draft_probs: object = (
-        None  # the distributions the guesses were drawn from, [len(guesses), V], or None
-    )
+    # the distributions the guesses were drawn from, [len(guesses), V], or None
+    draft_probs: object = None
 
 # %% ../nbs/03_continuous_batching.ipynb #a7c1d004
 @dataclass
@@ -426,9 +425,7 @@ class StepPlanner(RunningPlanner):
 class PlanWriter(StepPlanner):
     "The plan as plain data, for a runner that never sees a `Sequence`."
 
-    def _output(
-        self, work: list[tuple[Sequence, int]], preempted: list[Sequence]
-    ) -> SchedulerOutput:
+    def _output(self, work: list[tuple[Sequence, int]], preempted: list[Sequence]) -> SchedulerOutput:
         "The plan as plain data, for a runner that never sees a `Sequence`."
         scheduled = []
         for seq, n in work:
@@ -437,34 +434,21 @@ class PlanWriter(StepPlanner):
             wants = start + n == seq.num_tokens_with_spec
             guesses = seq.spec_token_ids if wants else []
             probs = self.proposer.draft_probs(seq) if guesses else None
-            scheduled.append(
-                ScheduledRequest(
-                    seq.request_id,
-                    seq.token_slice(start, n),
-                    start,
-                    seq.block_table.blocks,
-                    1 + len(guesses) if wants else 0,
-                    list(guesses),
-                    probs,
-                )
-            )
+            scheduled.append(ScheduledRequest(
+                seq.request_id, seq.token_slice(start, n), start, seq.block_table.blocks,
+                1 + len(guesses) if wants else 0, list(guesses), probs,
+            ))
         new = [NewRequest(s.request_id, s.prompt_ids, s.params) for s in self._unseen]
         rows = [(self.requests[r.request_id], r.guesses) for r in scheduled if r.num_logits]
-        out = SchedulerOutput(
-            scheduled,
-            new,
-            self._finished,
-            [s.request_id for s in preempted],
-            self.constraints.logits_processor(rows),
-        )
+        out = SchedulerOutput(scheduled, new, self._finished, [s.request_id for s in preempted],
+                              self.constraints.logits_processor(rows))
         self._unseen, self._finished = [], []
         return out
 
 
 # %% ../nbs/03_continuous_batching.ipynb #f03b0c01
 def append_tokens(seq: Sequence, tokens: list[int], logprobs: list, constraints) -> tuple[list[int], str]:
-    """Append `tokens` to `seq`, each told to the `constraints` (chapter 10), until one ends it:
-    the tokens appended and their text."""
+    "Append `tokens` to `seq` (and tell `constraints`) until one ends it: the tokens appended, their text."
     delta, new = "", []
     for token, lp in zip(tokens, logprobs):
         delta += seq.append(token, lp)
