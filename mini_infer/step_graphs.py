@@ -272,13 +272,15 @@ class StepGraphs:
 
 # %% ../nbs/07c_step_replay.ipynb #7c0f1b04
 def shared_area(model: CausalLM, attention, block_size: int) -> ActivationArea:
-    """An activation area as large as `model`'s largest replayed step needs: that step recorded
-    once, on a throwaway runner and a pool of one block that `attention` makes. Where it cannot be
-    recorded, no buffer: each recording then keeps tensors of its own."""
+    """An activation area for `model`'s largest replayed step. Every tensor a layer makes has a
+    row per token, so `GRAPH_MAX_TOKENS` times a one-token step's bytes hold it (each tensor is
+    rounded up to 64 bytes: at least): a one-token step recorded once, on a throwaway runner and a
+    pool of one block that `attention` makes. Where it cannot be recorded, no buffer: each
+    recording then keeps tensors of its own."""
     probe = StepGraphs(model)
     cache = PagedKVCache(model.config, 1, block_size, model.device, model.dtype, attention)
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a step that cannot be recorded says so when it comes
-        probe(cache.make_step([([0], 0, [0], 1)] * GRAPH_MAX_TOKENS), cache)
+        probe(cache.make_step([([0], 0, [0], 1)]), cache)
     g = next(iter(probe.graphs.values()), None)
-    return ActivationArea(g.activation_bytes if g is not None else 0)
+    return ActivationArea(GRAPH_MAX_TOKENS * g.activation_bytes if g is not None else 0)

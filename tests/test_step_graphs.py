@@ -159,6 +159,10 @@ def test_recordings_share_one_activation_area_counted_by_the_memory_plan():
     base = area.buffer.untyped_storage().data_ptr()
     assert all(t.untyped_storage().data_ptr() == base for g in graphs for t in g.tensors)
     assert max(g.activation_bytes for g in graphs) <= area.nbytes < sum(g.activation_bytes for g in graphs)
+    with torch.inference_mode():     # the largest replayed step fits: GRAPH_MAX_TOKENS one-token rows, recorded in the area
+        eng.runner.model(eng.cache.make_step([([1], 0, [0], 1)] * GRAPH_MAX_TOKENS), eng.cache)
+    largest = eng.runner.model.graphs[GRAPH_MAX_TOKENS, eng.cache.k.data_ptr(), torch.get_num_threads()]
+    assert largest is not None and largest.activation_bytes <= area.nbytes
     cfg = model.config       # a budget the plan derives (the CPU's default 1 GB) is what is left after the area
     plain, counted = (plan_memory(cfg, block_size=4, activation_bytes=b) for b in (0, 2**27))
     assert counted.num_blocks < plain.num_blocks and counted.safety_bytes == 2**27
