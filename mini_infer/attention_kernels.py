@@ -506,9 +506,9 @@ class KernelPlan:
     prefill_tables: torch.Tensor
 
 
-# the prefill kernel works in tiles of 32 queries: up to about 8, one decode-kernel call per query
-# costs less
-SHORT_ROW = 8
+# the prefill kernel works in tiles of 32 queries: for a row this short, one decode-kernel call per
+# query costs less; 9 covers chapter 5's longest verify rows, 1 + 8 guesses
+SHORT_ROW = 9
 
 # %% ../nbs/07b_cpu_attention.ipynb #12aab18a
 def kernel_plan(step: StepInputs) -> KernelPlan:

@@ -20,7 +20,7 @@ from .step_graphs import StepGraphs, call_runner
 _PTR, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
 # %% ../nbs/07c_step_replay.ipynb #d090721f
-OPS_C = r"""
+_RMS_NORM_C = r"""
 /* y[m] = x[m] / sqrt(mean(x[m]^2) + eps) * w, one pass over each row. The sum of squares runs in VL
    lanes: as one chain of N dependent additions it waited on the adder's latency, 0.9 us a row of
    576. */
@@ -43,7 +43,10 @@ void rms_norm(const float *x, const float *w, float *y, int64_t M, int64_t N, fl
         for (int64_t n = 0; n < N; n++) yr[n] = xr[n] * s * w[n];
     }
 }
+"""
 
+# %% ../nbs/07c_step_replay.ipynb #7c0f1b06
+OPS_C = _RMS_NORM_C + r"""
 /* y = a + b, n floats: a residual connection, in C so that a decode step is C calls only (see
  * StepGraph). */
 void add_vectors(const float *a, const float *b, float *y, int64_t n) {
@@ -83,7 +86,7 @@ def ops_kernels() -> KernelLibrary | None:
         },
     )
 
-
+# %% ../nbs/07c_step_replay.ipynb #7c0f1b08
 class KernelOps(TorchOps):
     """Chapter 1's ops in C for CPU float32 tensors: RMSNorm and RoPE in one pass each, the
     residual addition."""
@@ -93,15 +96,9 @@ class KernelOps(TorchOps):
             return super().rms_norm(x, weight, eps)
         x = x.contiguous()
         y = torch.empty_like(x)
-        ops_kernels().rms_norm(
-            x.data_ptr(),
-            weight.data_ptr(),
-            y.data_ptr(),
-            x.numel() // x.shape[-1],
-            x.shape[-1],
-            eps,
-            torch.get_num_threads(),
-        )
+        rows, n = x.numel() // x.shape[-1], x.shape[-1]
+        ops_kernels().rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, n, eps,
+                               torch.get_num_threads())
         return y
 
     def rope(self, x, cos, sin):
@@ -114,14 +111,8 @@ class KernelOps(TorchOps):
             return super().rope(x, cos, sin)
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
         y = torch.empty_like(x)
-        ops_kernels().rope(
-            x.data_ptr(),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            y.data_ptr(),
-            *x.shape,
-            torch.get_num_threads(),
-        )
+        ops_kernels().rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), *x.shape,
+                           torch.get_num_threads())
         return y
 
     def add(self, a, b, out=None):

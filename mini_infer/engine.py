@@ -125,6 +125,9 @@ class LLMEngine:
         attention = self.backend.attention()
         if cfg.kv_cache_dtype != "auto":
             attention = load_plugin(KV_CACHE_DTYPES[cfg.kv_cache_dtype])(attention)
+        # memory the step runner holds for its steps, made now and counted by the plan (chapter 7c)
+        reserve = getattr(run_step, "reserve", None)
+        activations = reserve(attention, cfg.block_size) if reserve else 0
         plan = plan_memory(
             model.config,
             model.device,
@@ -135,6 +138,7 @@ class LLMEngine:
             weights_bytes=weights_bytes(model),
             token_bytes=attention.token_bytes(model.config, model.dtype),
             kv_note=attention.note,
+            activation_bytes=activations,
         )
         self.memory = (
             replace(plan, num_blocks=cfg.num_blocks)

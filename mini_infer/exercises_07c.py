@@ -7,7 +7,7 @@ __all__ = ['check_rms_norm', 'check_replayed', 'check_recorded_calls']
 import torch
 from .exercise import exercise_check, expect
 from .cpu_backend import KernelOps
-from .step_graphs import GRAPH_MAX_TOKENS
+from .step_graphs import GRAPH_MAX_TOKENS, REPLAY_ROW
 from .exercises_07b import plan_of
 
 
@@ -39,7 +39,7 @@ def check_replayed(prediction, steps: list[list[int]]):
     expect(
         not wrong,
         f"not right for {wrong}: a step is replayed when it has at most {GRAPH_MAX_TOKENS} tokens "
-        "(padded up to a recorded size) and no row of more than 8 (a longer row is a prompt chunk)",
+        f"(padded up to a recorded size) and no row of more than {REPLAY_ROW} (a longer row is a prompt chunk)",
     )
 
 

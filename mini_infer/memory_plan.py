@@ -114,34 +114,29 @@ def plan_memory(
     weights_bytes: int | None = None,
     token_bytes: int | None = None,
     kv_note: str = "",
+    activation_bytes: int = 0,
 ) -> MemoryPlan:
     """How many KV blocks to allocate. CUDA (call after loading the weights):
     `gpu_memory_utilization` of the free memory minus a safety buffer, unless
     `kv_cache_memory_gb` is given. CPU/MPS: `kv_cache_memory_gb` (default 1 GB). `weights_bytes`
-    and `token_bytes` (K and V of one token) default to the parameters and K/V in `dtype`."""
+    and `token_bytes` (K and V of one token) default to the parameters and K/V in `dtype`.
+    `activation_bytes` that the step runner holds (chapter 7c's recordings) join the safety
+    buffer, taken from a budget the plan derives; a pool of `kv_cache_memory_gb` stays as asked."""
     device = torch.device(device or "cpu")
     block_bytes = block_size * (token_bytes or kv_bytes_per_token(cfg, dtype))
     weights = weights_bytes or count_parameters(cfg) * _dtype_size(dtype)
-    total, safety = None, 0
+    total, safety = None, activation_bytes
     if kv_cache_memory_gb is not None:
         budget = kv_cache_memory_gb * GB
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        safety = int(safety_gb * GB)
+        safety += int(safety_gb * GB)
         budget = free * gpu_memory_utilization - safety
     else:
-        budget = 1.0 * GB
-    return MemoryPlan(
-        str(device),
-        dtype,
-        block_size,
-        max(0, int(budget // block_bytes)),
-        block_bytes,
-        weights,
-        safety,
-        total,
-        kv_note,
-    )
+        budget = 1.0 * GB - safety
+    num_blocks = max(0, int(budget // block_bytes))
+    return MemoryPlan(str(device), dtype, block_size, num_blocks, block_bytes, weights, safety,
+                      total, kv_note)
 
 # %% ../nbs/02_paged_cache.ipynb #f02b0003
 def info_table(model: CausalLM, plan: MemoryPlan, name: str | None = None) -> str:

@@ -8,7 +8,7 @@ Docs: https://mini-infer.github.io/mini-infer/continuous_batching.html.md"""
 __all__ = ['SeqStatus', 'EngineRequestOutput', 'slice_parts', 'Sequence', 'KVManager', 'NoConstraints', 'NoProposer',
            'SchedulerConfig', 'NewRequest', 'ScheduledRequest', 'SchedulerOutput', 'RunnerOutput', 'StepOutput',
            'step_output', 'fcfs', 'SchedulerQueues', 'RequestMoves', 'RunningPlanner', 'prompt_chunk', 'StepPlanner',
-           'PlanWriter', 'Scheduler']
+           'PlanWriter', 'append_tokens', 'Scheduler']
 
 # %% ../nbs/03_continuous_batching.ipynb #53c0bf08
 import enum
@@ -52,9 +52,8 @@ class Sequence(Request):
     """One request inside the engine: chapter 1's `Request`, plus its place in the KV cache and
     its scheduling state."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 tokenizer: Tokenizer, max_len: int, block_size: int = 16, priority: int = 0,
-                 cache_salt: str | None = None):
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
+                 max_len: int, block_size: int = 16, priority: int = 0, cache_salt: str | None = None):
         super().__init__(request_id, prompt_ids, params, tokenizer, max_len)
         self.block_table, self.status = BlockTable(block_size), SeqStatus.WAITING
         self.priority = priority  # lower runs first
@@ -186,7 +185,7 @@ class SchedulerConfig:
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
 
-
+# %% ../nbs/03_continuous_batching.ipynb #f03b0c04
 @dataclass
 class NewRequest:
     "A request the runner has not seen: what it needs to sample for it."
@@ -208,9 +207,8 @@ class ScheduledRequest:
     num_logits: int  # logits rows wanted: 0 in the middle of a prompt, else 1 + len(guesses)
     # the last len(guesses) tokens, to verify (chapter 5)
     guesses: list[int] = field(default_factory=list)
-    draft_probs: object = (
-        None  # the distributions the guesses were drawn from, [len(guesses), V], or None
-    )
+    # the distributions the guesses were drawn from, [len(guesses), V], or None
+    draft_probs: object = None
 
 # %% ../nbs/03_continuous_batching.ipynb #a7c1d004
 @dataclass
@@ -427,9 +425,7 @@ class StepPlanner(RunningPlanner):
 class PlanWriter(StepPlanner):
     "The plan as plain data, for a runner that never sees a `Sequence`."
 
-    def _output(
-        self, work: list[tuple[Sequence, int]], preempted: list[Sequence]
-    ) -> SchedulerOutput:
+    def _output(self, work: list[tuple[Sequence, int]], preempted: list[Sequence]) -> SchedulerOutput:
         "The plan as plain data, for a runner that never sees a `Sequence`."
         scheduled = []
         for seq, n in work:
@@ -438,29 +434,29 @@ class PlanWriter(StepPlanner):
             wants = start + n == seq.num_tokens_with_spec
             guesses = seq.spec_token_ids if wants else []
             probs = self.proposer.draft_probs(seq) if guesses else None
-            scheduled.append(
-                ScheduledRequest(
-                    seq.request_id,
-                    seq.token_slice(start, n),
-                    start,
-                    seq.block_table.blocks,
-                    1 + len(guesses) if wants else 0,
-                    list(guesses),
-                    probs,
-                )
-            )
+            scheduled.append(ScheduledRequest(
+                seq.request_id, seq.token_slice(start, n), start, seq.block_table.blocks,
+                1 + len(guesses) if wants else 0, list(guesses), probs,
+            ))
         new = [NewRequest(s.request_id, s.prompt_ids, s.params) for s in self._unseen]
         rows = [(self.requests[r.request_id], r.guesses) for r in scheduled if r.num_logits]
-        out = SchedulerOutput(
-            scheduled,
-            new,
-            self._finished,
-            [s.request_id for s in preempted],
-            self.constraints.logits_processor(rows),
-        )
+        out = SchedulerOutput(scheduled, new, self._finished, [s.request_id for s in preempted],
+                              self.constraints.logits_processor(rows))
         self._unseen, self._finished = [], []
         return out
 
+
+# %% ../nbs/03_continuous_batching.ipynb #f03b0c01
+def append_tokens(seq: Sequence, tokens: list[int], logprobs: list, constraints) -> tuple[list[int], str]:
+    "Append `tokens` to `seq` (and tell `constraints`) until one ends it: the tokens appended, their text."
+    delta, new = "", []
+    for token, lp in zip(tokens, logprobs):
+        delta += seq.append(token, lp)
+        constraints.accept(seq, token)
+        new.append(token)
+        if seq.finish_reason:
+            break
+    return new, delta
 
 # %% ../nbs/03_continuous_batching.ipynb #a7c1d020
 class Scheduler(PlanWriter):
@@ -494,15 +490,10 @@ class Scheduler(PlanWriter):
         return outputs
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list) -> StepOutput:
-        """Append `tokens` to `seq` until one ends it (releasing its blocks); what the request
-        produced in this step."""
-        delta, new = "", []
-        for token, lp in zip(tokens, logprobs):
-            delta += seq.append(token, lp)
-            self.constraints.accept(seq, token)
-            new.append(token)
-            if seq.finish_reason:
-                self.finish(seq)
-                break
+        """Append `tokens` to `seq` until one ends it (then its blocks are released); what the
+        request produced in this step."""
+        new, delta = append_tokens(seq, tokens, logprobs, self.constraints)
+        if seq.finish_reason:
+            self.finish(seq)
         return step_output(seq, new, delta, logprobs[: len(new)])
 

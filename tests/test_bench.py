@@ -41,6 +41,14 @@ def test_measure_machine_is_positive():
     assert m["matmul_gflops"] > 0 and m["read_gb_s"] > 0 and m["device"]
 
 
+def test_the_gemm_peak_is_the_faster_of_torch_and_the_engines_layer():
+    from mini_infer.layers import ColumnLinear
+    layer = ColumnLinear(64, [96, 96])
+    torch.nn.init.normal_(layer.weight)
+    m = measure_machine("cpu", n=128, reps=2, read_mb=8, linear=layer)
+    assert set(m["gemm_gflops"]) == {"torch", "engine"} and m["matmul_gflops"] == max(m["gemm_gflops"].values()) > 0
+
+
 def test_run_offline_bench_tiny():
     r = run_offline_bench("smollm2-135m", num_requests=3, input_len=(4, 12), output_len=(2, 5), batch_size=2, num_threads=1,
                           max_num_batched_tokens=16, max_prefill_chunk=8)
@@ -52,6 +60,7 @@ def test_run_offline_bench_tiny():
     assert all(r["systems"][k]["matches"] == 3 for k in ("hf_continuous", "hf_static"))   # a few tokens: no near-ties
     assert set(r["ratios"]) == {"ours_static", "hf_continuous", "hf_static"}
     assert r["limits"]["decode_ms"] > 0 and 0 < r["limits"]["fraction_of_ceiling"]
+    assert r["limits"]["probe_reliable"] == (r["limits"]["fraction_of_ceiling"] <= 1)
     assert r["engine"]["max_num_batched_tokens"] == 16
     text = format_table(r)
     assert "transformers continuous batching" in text and "ms/token" in text

@@ -236,7 +236,7 @@ def test_ch07_online_softmax():
 
 def test_ch07_plan():
     from mini_infer.exercises_07b import check_plan
-    lens = [1, 1, 1, 5, 8, 9, 40]
+    lens = [1, 1, 1, 5, 9, 10, 40]
     ns = solution("07b_cpu_attention.ipynb", "Exercise 7.6")
     assert check_plan(ns["prediction"], lens).ok is True
     rows_not_tokens = check_plan((5, 2), lens)
@@ -261,11 +261,11 @@ def test_ch07_rms_norm():
 
 def test_ch07_replayed():
     from mini_infer.exercises_07c import check_replayed
-    steps = [[1] * 16, [1] * 17, [4, 4, 4, 4], [9], [1, 1, 8, 6], [3] * 6, [5] * 13, [1] * 70]
+    steps = [[1] * 16, [1] * 17, [4, 4, 4, 4], [10], [1, 1, 9, 5], [3] * 6, [5] * 13, [1] * 70]
     ns = solution("07c_step_replay.ipynb", "Exercise 7.8")
     assert check_replayed(ns["prediction"], steps).ok is True
     rows_only = check_replayed([True, True, True, True, True, True, False, False], steps)   # forgot a limit
-    assert rows_only.ok is False and "no row of more than 8" in rows_only.message
+    assert rows_only.ok is False and "no row of more than 9" in rows_only.message
     assert check_replayed([True] * 3, steps).ok is False
     assert check_replayed(None, steps).ok is None
 

@@ -143,3 +143,46 @@ def test_padded_steps_equal_python_steps_and_keep_padding_in_the_scratch_block()
         scratch = k.as_strided((len(k), *k.shape[2:]), (k.stride(0), *k.stride()[2:]), k.storage_offset() + n * k.stride(1))
         assert torch.signbit(scratch).any()                 # the padding rows wrote there (-0.0: K of their zeroed hidden states)
     assert spec_eng.scheduler.proposer.counters["drafts"] > 0
+
+
+def test_recordings_share_one_activation_area_counted_by_the_memory_plan():
+    "Every recording's activations lie in one area, sized for the largest replayed step before the pool; the plan counts it."
+    from mini_infer.memory_plan import plan_memory
+    model = tiny_model()
+    torch.manual_seed(4)
+    prompts = [torch.randint(0, 151, (n,)).tolist() for n in range(3, 23)]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * len(prompts)
+    eng = LLMEngine(model, NoText(), num_blocks=200, block_size=4)
+    for n in (1, 2, 5, 20): run_to_completion(eng, prompts[:n], params[:n])     # steps of several sizes
+    area, graphs = eng.runner.model.area, [g for g in eng.runner.model.graphs.values() if g is not None]
+    assert area.nbytes > 0 and eng.memory.safety_bytes == area.nbytes and len(graphs) > 3
+    base = area.buffer.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base for g in graphs for t in g.tensors)
+    assert max(g.activation_bytes for g in graphs) <= area.nbytes < sum(g.activation_bytes for g in graphs)
+    with torch.inference_mode():     # the largest replayed step fits: GRAPH_MAX_TOKENS one-token rows, recorded in the area
+        eng.runner.model(eng.cache.make_step([([1], 0, [0], 1)] * GRAPH_MAX_TOKENS), eng.cache)
+    largest = eng.runner.model.graphs[GRAPH_MAX_TOKENS, eng.cache.k.data_ptr(), torch.get_num_threads()]
+    assert largest is not None and largest.activation_bytes <= area.nbytes
+    cfg = model.config       # a budget the plan derives (the CPU's default 1 GB) is what is left after the area
+    plain, counted = (plan_memory(cfg, block_size=4, activation_bytes=b) for b in (0, 2**27))
+    assert counted.num_blocks < plain.num_blocks and counted.safety_bytes == 2**27
+    assert plan_memory(cfg, kv_cache_memory_gb=0.01, activation_bytes=2**27).num_blocks == plan_memory(cfg, kv_cache_memory_gb=0.01).num_blocks
+
+
+def test_verify_rows_of_eight_guesses_replay():
+    "A verify row of 1 + 8 tokens is a short row (`SHORT_ROW`): its step is recorded and replayed, with Python's tokens."
+    from mini_infer.attention_kernels import SHORT_ROW
+    assert SHORT_ROW >= 9 and StepGraphs.replay_limits[1] == SHORT_ROW
+    model = tiny_model()
+    spec = dict(method="ngram", num_speculative_tokens=8, adaptive=False, prompt_lookup_min=1)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13] * 4]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)]
+    runs = {}
+    for eager in (False, True):
+        eng = LLMEngine(model, NoText(), num_blocks=64, block_size=4, enforce_eager=eager, speculative_config=spec)
+        runs[eager] = [(o.token_ids, o.logprobs) for o in run_to_completion(eng, prompts, params)]
+        if not eager: replayed = eng
+    assert runs[False] == runs[True]
+    graphs = replayed.runner.model.graphs
+    assert any(size == 9 and g is not None for (size, *_), g in graphs.items())   # a step of one row of 1 + 8, recorded
+    assert replayed.scheduler.proposer.counters["drafts"] > 0
