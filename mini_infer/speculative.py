@@ -7,8 +7,9 @@ Docs: https://mini-infer.github.io/mini-infer/speculative.html.md"""
 # %% auto #0
 __all__ = ['VERIFY_TOKEN_COST', 'METHODS', 'expected_tokens', 'plan_guesses', 'accept_probs', 'residual', 'rejection_sample',
            'greedy_verify', 'NgramProposer', 'draft_seed', 'DraftKV', 'draft_forward', 'DraftModelProposer',
-           'SpeculativeConfig', 'load_draft', 'GuessPlanner', 'SpecCounters', 'SpeculativeProposer', 'verify_positions',
-           'padded_guesses', 'repeat_positions', 'draft_probs', 'VerifyingSampler', 'speculative_decoding']
+           'SpeculativeConfig', 'load_draft', 'GuessPlanner', 'SpecCounters', 'PendingGuesses', 'SpeculativeProposer',
+           'verify_positions', 'padded_guesses', 'repeat_positions', 'draft_probs', 'sample_rows', 'VerifyingSampler',
+           'speculative_decoding']
 
 # %% ../nbs/05_speculative.ipynb #64095ae4
 import json
@@ -403,7 +404,30 @@ class SpecCounters:
         )
 
 # %% ../nbs/05_speculative.ipynb #5e1f0a0c
-class SpeculativeProposer(GuessPlanner, SpecCounters):
+class PendingGuesses:
+    """The guesses waiting for the next step: set on each sequence (`spec_token_ids`), and a draft
+    model's q of them kept aside for the verifying sampler (`draft_probs`)."""
+
+    def __init__(self):
+        self.q: dict[Sequence, torch.Tensor] = {}  # the draft's q of the pending guesses
+
+    def clear(self, seqs: list[Sequence]):
+        "Drop the guesses of `seqs` (and their q): a new step plans afresh."
+        for s in seqs:
+            s.spec_token_ids = []
+            self.q.pop(s, None)
+
+    def hold(self, seq: Sequence, guesses: list[int], q: torch.Tensor | None):
+        "Set `seq`'s guesses for the next step, with the draft's q of them (None for n-gram)."
+        seq.spec_token_ids = guesses
+        if q is not None:
+            self.q[seq] = q
+
+    def draft_probs(self, seq: Sequence) -> torch.Tensor | None:
+        return self.q.get(seq)
+
+# %% ../nbs/05_speculative.ipynb #3f329f2f
+class SpeculativeProposer(GuessPlanner, SpecCounters, PendingGuesses):
     """Chapter 5's side of the scheduler: before each step, guesses for the decoding sequences,
     as many as pay (`propose`); after it, what the runner kept of them (`verified`), which sets
     the next k."""
@@ -413,15 +437,13 @@ class SpeculativeProposer(GuessPlanner, SpecCounters):
     ):
         GuessPlanner.__init__(self, cfg, token_cost, replay_limits)
         SpecCounters.__init__(self)
+        PendingGuesses.__init__(self)
         self.proposer = proposer
-        self.q: dict[Sequence, torch.Tensor] = {}  # the draft's q of the pending guesses
 
     def propose(self, seqs: list[Sequence]):
         """Set `spec_token_ids` of the decoding sequences (none while more than
         `disable_by_batch_size` decode)."""
-        for s in seqs:
-            s.spec_token_ids = []
-            self.q.pop(s, None)
+        self.clear(seqs)
         limit = self.config.disable_by_batch_size
         if not seqs or (limit is not None and len(seqs) > limit):
             return
@@ -429,12 +451,7 @@ class SpeculativeProposer(GuessPlanner, SpecCounters):
         if not todo:
             return
         for (s, k), (guesses, q) in zip(todo, self.proposer.propose(*map(list, zip(*todo)))):
-            s.spec_token_ids = guesses[:k]
-            if q is not None:
-                self.q[s] = q
-
-    def draft_probs(self, seq: Sequence):
-        return self.q.get(seq)
+            self.hold(s, guesses[:k], q)
 
     def verified(self, seq: Sequence, accepted: int, guessed: int):
         self._count(accepted, guessed)
@@ -489,6 +506,18 @@ def draft_probs(rows: list[ScheduledRequest], K: int, V: int, device) -> torch.T
     return q
 
 # %% ../nbs/05_speculative.ipynb #459b8d92
+def sample_rows(sampler: Sampler, scores, rows, batch, positions, draft, num_draft, accepted, nxt):
+    """Rejection sampling for the rows of the step that sample, into `accepted` and `nxt`; p:
+    chapter 1's temperature, top-k, top-p and min-p, position by position."""
+    sampled, K1 = [b for b, g in enumerate(batch.greedy) if not g], scores.shape[1]
+    at = SamplingBatch.of(positions, [b * K1 + j for b in sampled for j in range(K1)])
+    p = sampler.probs(scores[sampled].flatten(0, 1), at).view(len(sampled), K1, -1)
+    q = draft_probs([rows[b] for b in sampled], K1 - 1, p.shape[-1], scores.device)
+    gens = [batch.generators[b] for b in sampled]
+    s = (p, draft[sampled], num_draft[sampled], q, gens)
+    accepted[sampled], nxt[sampled] = rejection_sample(*s)
+
+# %% ../nbs/05_speculative.ipynb #a924a2c7
 class VerifyingSampler(NextTokenSampler):
     """Chapter 5's side of the runner: a row with k guesses has 1 + k logits rows; keep the
     guesses the target agrees with (greedy) or accepts (rejection sampling), then one more token.
@@ -508,21 +537,10 @@ class VerifyingSampler(NextTokenSampler):
             scores = apply_penalties(raw.flatten(0, 1), positions.penalties).view(raw.shape)
         accepted, nxt = greedy_verify(scores, draft, num_draft)  # every row at once ...
         if not batch.all_greedy:  # ... then the rows that sample, by rejection sampling
-            self._sample(scores, rows, batch, positions, draft, num_draft, accepted, nxt)
+            sample_rows(self.sampler, scores, rows, batch, positions, draft, num_draft, accepted, nxt)
         accepted, nxt = accepted.tolist(), nxt.tolist()
         new = [r.guesses[:a] + [t] for r, a, t in zip(rows, accepted, nxt)]
         return new, self._logprobs(raw, positions, new)
-
-    def _sample(self, scores, rows, batch, positions, draft, num_draft, accepted, nxt):
-        """Rejection sampling for the rows that sample, into `accepted` and `nxt`; p: chapter 1's
-        temperature, top-k, top-p and min-p, position by position."""
-        sampled, K1 = [b for b, g in enumerate(batch.greedy) if not g], scores.shape[1]
-        at = SamplingBatch.of(positions, [b * K1 + j for b in sampled for j in range(K1)])
-        p = self.sampler.probs(scores[sampled].flatten(0, 1), at).view(len(sampled), K1, -1)
-        q = draft_probs([rows[b] for b in sampled], K1 - 1, p.shape[-1], scores.device)
-        gens = [batch.generators[b] for b in sampled]
-        s = (p, draft[sampled], num_draft[sampled], q, gens)
-        accepted[sampled], nxt[sampled] = rejection_sample(*s)
 
     def _logprobs(self, raw: torch.Tensor, positions: SamplingBatch | None, new: list[list[int]]):
         "The target's logprobs of each emitted token, for the rows that asked."

@@ -108,6 +108,15 @@ def test_ngram_lookup():
     assert ng.lookup([4, 1, 2, 4, 3, 4], 2) == [3, 4]               # the latest earlier occurrence
 
 
+def test_lookup_ceiling():
+    from mini_infer.bench_spec import lookup_ceiling
+    ng = NgramProposer(n_max=2, n_min=2)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    assert lookup_ceiling(prompt, [1, 2, 3, 4, 5, 6, 7], ng.lookup, 8) == 7 / 3   # [1], [2], then 3..7 guessed in one step
+    assert lookup_ceiling(prompt, [9, 8, 9, 8, 7], ng.lookup, 8) == 1.0          # nothing to copy: a token per step
+    assert lookup_ceiling(prompt, [1, 2, 3, 4, 5, 6, 7], ng.lookup, 2) == 7 / 4  # k caps each step's guesses
+
+
 # ---------------------------------------------------------------- the engine
 
 @pytest.fixture(scope="module")
