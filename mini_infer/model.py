@@ -8,7 +8,7 @@ Docs: https://mini-infer.github.io/mini-infer/model.html.md"""
 __all__ = ['SUPPORTED_ARCHITECTURES', 'TORCH_OPS', 'FUSED', 'hf_config_kwargs', 'check_config', 'ModelConfig', 'TorchOps',
            'RMSNorm', 'rope_frequencies', 'RotaryEmbedding', 'apply_rope', 'ForwardStep', 'ContiguousStep', 'KVCache',
            'causal_attention', 'ContiguousKVCache', 'Attention', 'MLP', 'DecoderLayer', 'hf_to_local', 'copy_weight',
-           'Decoder', 'checkpoint_parts', 'CheckpointIn', 'CheckpointIO', 'CausalLM']
+           'Decoder', 'checkpoint_parts', 'CheckpointIn', 'CheckpointIO', 'PluginPoints', 'CausalLM']
 
 # %% ../nbs/01_model.ipynb #49913f75
 import json, math
@@ -452,8 +452,32 @@ class CheckpointIO(CheckpointIn):
             if name == "lm_head" and self.config.tie_word_embeddings:
                 yield "model.embed_tokens.weight", weight
 
-# %% ../nbs/01_model.ipynb #f7d98647
-class CausalLM(CheckpointIO, nn.Module):
+# %% ../nbs/01_model.ipynb #73d9858e
+class PluginPoints(CheckpointIO):
+    "Where later chapters plug into the model, and the device and dtype it runs in."
+
+    def set_ops(self, ops):
+        "Run RMSNorm, RoPE and the residual additions with `ops` (chapter 7's C kernels)."
+        for m in self.modules():
+            if hasattr(m, "ops"):
+                m.ops = ops
+
+    def linear_layers(self) -> list[LinearBase]:
+        """The layers whose products run through a `LinearMethod`: every linear layer and the LM
+        head (an untied embedding only looks rows up: it keeps PyTorch's)."""
+        embed = self.model.embed_tokens
+        return [m for m in self.modules() if isinstance(m, LinearBase) and m is not embed]
+
+    @property
+    def device(self):
+        return self.model.norm.weight.device
+
+    @property
+    def dtype(self):  # the activations' dtype, whatever the linear layers store (chapter 8)
+        return self.model.norm.weight.dtype
+
+# %% ../nbs/01_model.ipynb #7207c043
+class CausalLM(PluginPoints, nn.Module):
     "A Qwen2 / Llama causal language model over packed batches."
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None, shard: Shard = WHOLE):
@@ -476,23 +500,3 @@ class CausalLM(CheckpointIO, nn.Module):
         if step.logits_indices is not None:
             x = x[step.logits_indices]
         return self.lm_head(self.model.norm(x)).float()
-
-    def set_ops(self, ops):
-        "Run RMSNorm, RoPE and the residual additions with `ops` (chapter 7's C kernels)."
-        for m in self.modules():
-            if hasattr(m, "ops"):
-                m.ops = ops
-
-    def linear_layers(self) -> list[LinearBase]:
-        """The layers whose products run through a `LinearMethod`: every linear layer and the LM
-        head (an untied embedding only looks rows up: it keeps PyTorch's)."""
-        embed = self.model.embed_tokens
-        return [m for m in self.modules() if isinstance(m, LinearBase) and m is not embed]
-
-    @property
-    def device(self):
-        return self.model.norm.weight.device
-
-    @property
-    def dtype(self):  # the activations' dtype, whatever the linear layers store (chapter 8)
-        return self.model.norm.weight.dtype

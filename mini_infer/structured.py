@@ -7,9 +7,9 @@ Docs: https://mini-infer.github.io/mini-infer/structured_outputs.html.md"""
 # %% auto #0
 __all__ = ['TINY_DFA', 'TINY_ACCEPT', 'TOOLS_SYSTEM_PROMPT', 'SCHEMA_SUITE', 'walk', 'allowed_tokens', 'xgrammar_tokenizer',
            'compare_grammar_libraries', 'StructuredOutputsParams', 'compile_spec', 'GrammarCompiler', 'GrammarMasks',
-           'fill_masks', 'MatcherUpdates', 'GrammarConstraints', 'request_structured_outputs', 'check_tools',
-           'check_tool_choice', 'ToolCalls', 'tool_call_grammar', 'request_tool_calls', 'per_token_seconds',
-           'grammar_overhead']
+           'fill_masks', 'MatcherUpdates', 'GrammarMatchers', 'GrammarConstraints', 'request_structured_outputs',
+           'check_tools', 'check_tool_choice', 'parse_tool_calls', 'ToolCalls', 'tool_call_grammar',
+           'request_tool_calls', 'per_token_seconds', 'grammar_overhead']
 
 # %% ../nbs/10_structured_outputs.ipynb #c392f31c
 import json, re, time, uuid
@@ -255,12 +255,10 @@ class MatcherUpdates:
     def free(self, seq):
         self.matchers.pop(seq.request_id, None)
 
-# %% ../nbs/10_structured_outputs.ipynb #4def4371
-class GrammarConstraints(MatcherUpdates):
-    """Chapter 10's side of the scheduler (the calls of `NoConstraints`): a grammar matcher per
-    constrained sequence, moved only by the tokens `Scheduler.update` appends; each step's masks
-    in one bitmask, guesses included (the matcher walks through a row's guesses, then rolls
-    back)."""
+# %% ../nbs/10_structured_outputs.ipynb #2512b399
+class GrammarMatchers(MatcherUpdates):
+    """A grammar matcher per constrained request, made on `add` from the compiled grammar; the
+    compiler is built on the first constrained request."""
 
     def __init__(self, tokenizer, vocab_size: int):
         self.tokenizer, self.vocab_size, self._compiler = tokenizer, vocab_size, None
@@ -284,6 +282,13 @@ class GrammarConstraints(MatcherUpdates):
                 param="structured_outputs",
             )
         self.matchers[seq.request_id] = self.compiler.xgr.GrammarMatcher(self.compiler(spec))
+
+# %% ../nbs/10_structured_outputs.ipynb #f32a30f4
+class GrammarConstraints(GrammarMatchers):
+    """Chapter 10's side of the scheduler (the calls of `NoConstraints`): a grammar matcher per
+    constrained sequence, moved only by the tokens `Scheduler.update` appends; each step's masks
+    in one bitmask, guesses included (the matcher walks through a row's guesses, then rolls
+    back)."""
 
     def logits_processor(self, rows) -> GrammarMasks | None:
         todo, n = [], 0  # (first logits row, matcher, guesses)
@@ -400,6 +405,22 @@ def check_tool_choice(tool_choice, functions: dict) -> tuple[str, list[str]]:
         param="tool_choice",
     )
 
+# %% ../nbs/10_structured_outputs.ipynb #da453c2c
+def parse_tool_calls(text: str, functions: dict) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of an answer: each <tool_call> naming one of `functions` becomes a
+    call (a fresh id, the arguments as a JSON string); the content is what is left, if anything."""
+    calls, rest = [], text
+    for m in _TOOL_CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict) and obj.get("name") in functions:
+            fn = {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))}
+            calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": fn})
+            rest = rest.replace(m.group(0), "")
+    return (rest.strip() or None) if calls else text, calls
+
 # %% ../nbs/10_structured_outputs.ipynb #d19cc89d
 class ToolCalls:
     """A chat request's `tools` and `tool_choice`: checked (a 400 names what is wrong), rendered
@@ -433,17 +454,7 @@ class ToolCalls:
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
         "(content, tool_calls) of an answer: each <tool_call> naming a known function becomes a call."
-        calls, rest = [], text
-        for m in _TOOL_CALL.finditer(text) if self.active else []:
-            try:
-                obj = json.loads(m.group(1))
-            except json.JSONDecodeError:
-                continue
-            if isinstance(obj, dict) and obj.get("name") in self.functions:
-                fn = {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))}
-                calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": fn})
-                rest = rest.replace(m.group(0), "")
-        return (rest.strip() or None) if calls else text, calls
+        return parse_tool_calls(text, self.functions) if self.active else (text, [])
 
 # %% ../nbs/10_structured_outputs.ipynb #edd27391
 def _with_dict_arguments(m: dict) -> dict:
