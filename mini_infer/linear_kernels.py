@@ -202,9 +202,9 @@ void linear_packed(const float *x, const float *w, const float *bias, float *y0,
     const int64_t P = ps[0] + ps[1] + ps[2];
 """
 
-_PANEL_PAIRS_C = r"""    if (M >= PAIR_ROWS) { /* pairs of panels, each pair's rows in two halves so that the threads
-                             balance */
-        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+_PANEL_PAIRS_C = r"""    if (M >= PAIR_ROWS) { /* pairs of panels, each pair's rows in two halves, handed out to the
+                             threads as they come free */
+        _Pragma("omp parallel for schedule(dynamic) num_threads(num_threads)")
         for (int64_t it = 0; it < (P + 1) / 2 * 2; it++) {
             const int64_t pa = it / 2 * 2, r0 = it % 2 * M / 2, Mi = (it % 2 + 1) * M / 2 - r0;
             int64_t lda, nca, ldb, ncb;
@@ -231,26 +231,37 @@ _PANEL_PAIRS_C = r"""    if (M >= PAIR_ROWS) { /* pairs of panels, each pair's r
     }
 """
 
-_LINEAR_GLU_C = r"""/* SwiGLU's first half, h[M, N] = silu(x[M, K] @ Wg.T) * (x @ Wu.T), as one product: Wg and Wu
-   packed side by side, [P, K, 2 * NB] (a gate panel and the matching up panel on each k row); work
-   split as in linear_packed. */
+_LINEAR_GLU_C = r"""/* Panel p of SwiGLU's first half: its rows in balanced groups, each prefetching its share of the
+   next panel, as in linear_packed. */
+static inline void glu_panel(const float *x, const float *w, float *y, int64_t p, int64_t P,
+                             int64_t M, int64_t N, int64_t K) {
+    const int64_t G = (M + GR - 1) / GR, lines = K * 2 * NB * 4 / 64, per = (lines + G - 1) / G;
+    const float *wp = w + p * K * 2 * NB;
+    const int64_t nc = N - p * NB < NB ? N - p * NB : NB;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t m0 = g * M / G, m1 = (g + 1) * M / G, first = g * per;
+        const int64_t npf =
+            p + 1 < P && first < lines ? (lines - first < per ? lines - first : per) : 0;
+        wide_tiles[m1 - m0](x + m0 * K, K, wp, wp + NB, 2 * NB, 0, 0, y + m0 * N + p * NB, N, nc, 0,
+                            0, 0, 1, (const char *)(wp + K * 2 * NB) + 64 * first,
+                            npf < K ? npf : K);
+    }
+}
+
+/* SwiGLU's first half, h[M, N] = silu(x[M, K] @ Wg.T) * (x @ Wu.T), as one product: Wg and Wu
+   packed side by side, [P, K, 2 * NB] (a gate panel and the matching up panel on each k row); the
+   panels split among the threads in fixed shares, or handed out as threads come free for long
+   steps, as in linear_packed. */
 void linear_glu_packed(const float *x, const float *w, float *y, int64_t M, int64_t N, int64_t K,
                        int num_threads) {
     if (M <= 0) return;
-    const int64_t P = (N + NB - 1) / NB, G = (M + GR - 1) / GR, lines = K * 2 * NB * 4 / 64,
-                  per = (lines + G - 1) / G;
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
-    for (int64_t p = 0; p < P; p++) {
-        const float *wp = w + p * K * 2 * NB;
-        const int64_t nc = N - p * NB < NB ? N - p * NB : NB;
-        for (int64_t g = 0; g < G; g++) {
-            const int64_t m0 = g * M / G, m1 = (g + 1) * M / G, first = g * per;
-            const int64_t npf =
-                p + 1 < P && first < lines ? (lines - first < per ? lines - first : per) : 0;
-            wide_tiles[m1 - m0](x + m0 * K, K, wp, wp + NB, 2 * NB, 0, 0, y + m0 * N + p * NB, N,
-                                nc, 0, 0, 0, 1, (const char *)(wp + K * 2 * NB) + 64 * first,
-                                npf < K ? npf : K);
-        }
+    const int64_t P = (N + NB - 1) / NB;
+    if (M >= PAIR_ROWS) {
+        _Pragma("omp parallel for schedule(dynamic) num_threads(num_threads)")
+        for (int64_t p = 0; p < P; p++) glu_panel(x, w, y, p, P, M, N, K);
+    } else {
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+        for (int64_t p = 0; p < P; p++) glu_panel(x, w, y, p, P, M, N, K);
     }
 }
 """
@@ -444,7 +455,8 @@ static const bf16_fn bf16_tiles[] = {0, bf16_tile1, bf16_tile2, bf16_tile3,
                                      bf16_tile4, bf16_tile5, bf16_tile6};
 #define BM 192 /* rows per block: a block's bf16 x stays in L2 while the panels stream by */
 /* linear_packed and linear_glu_packed with bf16 products: x rounded to bf16 pairs once, into a
-   scratch buffer, then items (a block of BM rows, a pair of panels) shared out among the threads. */
+   scratch buffer, then items (a block of BM rows, a pair of panels) handed out to the threads as
+   they come free. */
 void linear_bf16(const float *x, const uint16_t *w, const float *bias, float *y0, int64_t N0,
                  float *y1, int64_t N1, float *y2, int64_t N2, int64_t M, int64_t K, int glu,
                  int num_threads) {
@@ -458,7 +470,7 @@ void linear_bf16(const float *x, const uint16_t *w, const float *bias, float *y0
     _Pragma("omp parallel num_threads(num_threads)")
     {
         bf16_pairs(x, M, K, xp, K2);
-        _Pragma("omp for schedule(static)")
+        _Pragma("omp for schedule(dynamic)")
         for (int64_t it = 0; it < blocks * pairs; it++) {
             const int64_t r0 = it / pairs * BM, Mi = M - r0 < BM ? M - r0 : BM, q = it % pairs;
             int64_t lda, nca, ldb = 0, ncb = 0;
