@@ -43,6 +43,8 @@ def verify_cost(
     return {k: med[k] / med[0] for k in ks} | {"seconds_k0": med[0]}
 
 # %% ../nbs/05_speculative.ipynb #8c3c0710
+import statistics
+
 _PASSAGE = (
     "Speculative decoding lets a small draft model propose several tokens that the large model "
     "then checks in a single "
@@ -92,10 +94,10 @@ def _side_by_side(engines: dict, run, rounds: int) -> dict:
         for e, eng in engines.items():
             (outs[e], n), wall = timed(lambda: run(eng), eng.model.device)
             rates[e].append(n / wall)
-    median = lambda xs: sorted(xs)[len(xs) // 2]
     return dict(
         tok_s={e: max(r) for e, r in rates.items()},
-        speedup={e: median([a / b for a, b in zip(r, rates["plain"])]) for e, r in rates.items()},
+        speedup={e: statistics.median([a / b for a, b in zip(r, rates["plain"])])
+                 for e, r in rates.items()},
         identical=all(o == outs["plain"] for o in outs.values()),
         outputs=outs["plain"],
     )
