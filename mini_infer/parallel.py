@@ -310,40 +310,51 @@ def decode_step_seconds(llm, prompts, max_tokens: int) -> float:
     return statistics.median(t.seconds for t in llm.engine.trace if t.num_prefill_tokens == 0)
 
 
-def _time_rank(rank, n, init_method, B, d, vocab_part, iters, results):
+def _time_rank(rank, n, init_method, B, d, vocab_part, cols, iters, results):
     "One rank of `time_collectives`."
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=n, timeout=STARTUP_TIMEOUT)
     try:
-        x, logits = torch.randn(B, d), torch.randn(B, vocab_part)
+        x, w, y = torch.randn(B, d), torch.randn(d, cols), torch.zeros(B, d)
+        logits = torch.randn(B, vocab_part)
         parts = [torch.empty_like(logits) for _ in range(n)] if rank == 0 else None
         rows = [([1000], 100, list(range(8)), 1)] * B
         ops = {
-            "all_reduce": lambda: dist.all_reduce(x),
+            "work": lambda: x @ w,
+            "all_reduce": lambda: (x @ w, dist.all_reduce(y)),
+            "back_to_back": lambda: dist.all_reduce(y),
             "gather": lambda: dist.gather(logits, parts, dst=0),
             "broadcast": lambda: dist.broadcast_object_list([rows], src=0),
         }
-        times = {}
-        for name, op in ops.items():
+        for op in ops.values():  # warm-up
             for _ in range(5):
                 op()
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                op()
-            times[name] = (time.perf_counter() - t0) / iters
+        times = {name: [] for name in ops}
+        for _ in range(5):  # five rounds of every op in turn; the median round (host noise comes in bursts)
+            for name, op in ops.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(iters // 5):
+                    op()
+                times[name].append((time.perf_counter() - t0) / (iters // 5))
+        times = {name: statistics.median(t) for name, t in times.items()}
+        times["all_reduce"] -= times.pop("work")
         if rank == 0:
             results.put(times)
     finally:
         dist.destroy_process_group()
 
 
-def time_collectives(n: int, B: int, d: int, vocab: int, iters: int = 200) -> dict:
+def time_collectives(n: int, B: int, d: int, vocab: int, layer_params: int = 0, iters: int = 200) -> dict:
     """Seconds per all-reduce of [B, d] floats, gather of [B, vocab / n] to rank 0, and broadcast of
-    B rows' step inputs, over `n` spawned gloo processes on this machine."""
+    B rows' step inputs, over `n` spawned gloo processes on this machine (the median of five
+    rounds). Each all-reduce follows the rank's share of half a layer's product (`layer_params`
+    weights over 2n), as in a step; its time is that loop's minus the product's alone. Also the
+    all-reduce timed `back_to_back`, without the product."""
     tmp, ctx = tempfile.mkdtemp(prefix="mini-infer-bench-"), mp.get_context("spawn")
     results = ctx.Queue()
-    args = (n, f"file://{os.path.join(tmp, 'rendezvous')}", B, d, -(-vocab // n), iters, results)
+    cols = max(1, layer_params // (2 * n * d))
+    args = (n, f"file://{os.path.join(tmp, 'rendezvous')}", B, d, -(-vocab // n), cols, iters, results)
     procs = [ctx.Process(target=_time_rank, args=(r, *args), daemon=True) for r in range(n)]
     for p in procs:
         p.start()

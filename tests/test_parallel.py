@@ -329,25 +329,31 @@ TORCHRUN_SCRIPT = """
 import json, sys
 from mini_infer.llm import LLM
 from mini_infer.sampling import SamplingParams
-model, prompts, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+model, prompts, out, dp = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 # every rank runs this line; ranks 1.. serve rank 0's steps inside it and exit when rank 0 closes
-with LLM(model, device="cpu", dtype="float32", tensor_parallel_size=2, kv_cache_memory_gb=0.05) as llm:
+with LLM(model, device="cpu", dtype="float32", tensor_parallel_size=2, data_parallel_size=dp,
+         kv_cache_memory_gb=0.05) as llm:
     res = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
-json.dump([o.token_ids for o in res], open(out, "w"))
+    steps = [e.stats()["steps_total"] for e in getattr(llm.engine, "replicas", [llm.engine])]
+json.dump(dict(tokens=[o.token_ids for o in res], steps=steps), open(out, "w"))
 """
 
 
-def test_torchrun_standalone_equals_tp1(tiny_qwen, tmp_path):
-    "The multi-machine launch in its one-machine form: `torchrun --standalone --nproc-per-node 2` (env:// rendezvous)."
+@pytest.mark.parametrize("dp", [1, 2])
+def test_torchrun_standalone_equals_tp1(tiny_qwen, tmp_path, dp):
+    """The multi-machine launch in its one-machine form: `torchrun --standalone` with TP = 2 (2 processes), and with
+    DP = 2 replicas of TP = 2 (one world of 1 + 2·1 = 3 processes); env:// rendezvous, every replica steps."""
     import json, subprocess, sys
     script, out = tmp_path / "tp_script.py", tmp_path / "tokens.json"
     script.write_text(TORCHRUN_SCRIPT)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(script), tiny_qwen, json.dumps(PROMPTS), str(out)],
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(1 + dp),
+                        str(script), tiny_qwen, json.dumps(PROMPTS), str(out), str(dp)],
                        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     ref = generate(tiny_qwen, PROMPTS, SamplingParams(max_tokens=12, temperature=0), kv_cache_memory_gb=0.05)
-    assert json.loads(out.read_text()) == [o.token_ids for o in ref]
+    res = json.loads(out.read_text())
+    assert res["tokens"] == [o.token_ids for o in ref]
+    assert len(res["steps"]) == dp and all(res["steps"]), res["steps"]
 
 
 def test_server_answers_503_after_a_worker_dies(tiny_qwen):
