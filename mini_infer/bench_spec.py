@@ -247,7 +247,8 @@ def format_spec_table(r: dict) -> str:
             f"{t['speedup']['ngram']:>7.2f}x  {'yes' if t['identical'] else 'NO':>4}  {mean:9.2f}"
             f"  {t['ceiling'].get('ngram', float('nan')):6.2f}x"
         )
-    out.append(f"{'batch':>5} {'plain tok/s':>11} {'adaptive':>9} {'always k':>9}  same")
+    if r["batch"]:
+        out.append(f"{'batch':>5} {'plain tok/s':>11} {'adaptive':>9} {'always k':>9}  same")
     for b in r["batch"]:
         s = b["tok_s"]
         out.append(
