@@ -320,7 +320,7 @@ def _limits(engine: LLMEngine, prompts, out_lens, ours: dict) -> tuple[dict, dic
     flops = workload_flops(m.config, list(map(len, prompts)), out_lens)
     ceiling = machine["matmul_gflops"] * 1e9 / (flops / ours["total_tokens"])
     body, head = weight_split(m.config)
-    decode_s = decode_latency(engine, prompts[0])
+    decode_s = min(decode_latency(engine, prompts[0]) for _ in range(3))  # best of 3, as the read probe's best of 5
     limits = dict(
         flops_per_token=flops / ours["total_tokens"],
         ceiling_total_tok_s=ceiling,
