@@ -10,27 +10,17 @@ __all__ = []
 # %% ../nbs/index.ipynb #82a3ee7f
 __version__ = "0.1.0"
 
-import os, sys
-
-# Idle OpenMP threads (PyTorch's and chapter 7's kernels share GNU OpenMP's pool) spin for
-# 300,000 rounds before they sleep. On a machine where another program holds a core, those spins
-# steal the time the working threads need: the engine ran 2.5x slower than with 10,000 (a 2-core
-# VM, one core busy), and no slower with nothing else running. The runtime reads this once, when
-# torch loads it, so it only applies if torch is not imported yet; a value the user set is kept.
-if "torch" not in sys.modules:
-    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
-
 # The public API, imported on first use so that `import mini_infer` stays light (and nbdev's
 # export never needs torch).
 _API = dict(
-    LLM="llm",
-    LLMEngine="engine",
-    EngineConfig="engine",
-    StepOutput="scheduler",
-    RequestOutput="outputs",
-    SamplingParams="sampling",
-    InvalidRequest="sampling",
-    generate="reference",
+    LLM="engine.llm",
+    LLMEngine="engine.engine",
+    EngineConfig="engine.engine",
+    StepOutput="engine.scheduler",
+    RequestOutput="engine.outputs",
+    SamplingParams="engine.sampling",
+    InvalidRequest="engine.sampling",
+    generate="engine.reference",
 )
 
 

@@ -13,8 +13,8 @@ import ast, sys, time, warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from .tokenizer import Tokenizer
-from .loader import resolve_model
+from .model.tokenizer import Tokenizer
+from .model.loader import resolve_model
 
 # %% ../nbs/10b_repomap.ipynb #c831d20c
 @dataclass

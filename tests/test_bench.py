@@ -1,7 +1,7 @@
 "Offline benchmark: the functions run on a tiny workload and return sane structures (no timing assertions)."
 import pytest, torch
-from mini_infer.model import ModelConfig, CausalLM, ContiguousKVCache, ContiguousStep
-from mini_infer.bench import make_workload, to_transformers, workload_flops, weight_split, measure_machine, run_offline_bench, format_table
+from mini_infer.model.model import ModelConfig, CausalLM, ContiguousKVCache, ContiguousStep
+from mini_infer.bench.offline import make_workload, to_transformers, workload_flops, weight_split, measure_machine, run_offline_bench, format_table
 
 
 def test_make_workload_is_reproducible_and_in_range():
@@ -42,7 +42,7 @@ def test_measure_machine_is_positive():
 
 
 def test_the_gemm_peak_is_the_faster_of_torch_and_the_engines_layer():
-    from mini_infer.layers import ColumnLinear
+    from mini_infer.model.layers import ColumnLinear
     layer = ColumnLinear(64, [96, 96])
     torch.nn.init.normal_(layer.weight)
     m = measure_machine("cpu", n=128, reps=2, read_mb=8, linear=layer)

@@ -19,8 +19,14 @@ def src(c):
     return "".join(c["source"])
 
 
+def collapsed(c):
+    "A cell that arrives with its code folded in Jupyter (`jupyter.source_hidden`) and Colab (`cellView: form`)."
+    md = c.get("metadata", {})
+    return bool(md.get("jupyter", {}).get("source_hidden")) and md.get("cellView") == "form"
+
+
 def hidden(c):
-    return bool(re.search(r"^#\|\s*hide\s*$", src(c), re.M))
+    return collapsed(c) or bool(re.search(r"^#\|\s*hide\s*$", src(c), re.M))
 
 
 def reading_minutes(p) -> float:

@@ -5,17 +5,17 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from mini_infer.kernel_build import native_target
-from mini_infer.linear_kernels import (linear_kernels, pack_weight, pack_glu, linear_packed, linear_glu_packed, PackedMethod,
+from mini_infer.plugins.cpu.build import native_target
+from mini_infer.plugins.cpu.linear import (linear_kernels, pack_weight, pack_glu, linear_packed, linear_glu_packed, PackedMethod,
                                        BF16_MIN_ROWS, bf16_kernels, pack_bf16, linear_bf16)
-from mini_infer.attention_kernels import CPUAttention, paged_decode_kernel, paged_prefill_kernel, pool_zeros
-from mini_infer.cpu_backend import CPUBackend, KernelOps
-from mini_infer.layers import LinearBase, ColumnLinear, GateUpLinear, LinearMethod
-from mini_infer.model import RotaryEmbedding, ModelConfig, TORCH_OPS
-from mini_infer.memory_plan import weights_bytes
-from mini_infer.loader import load_safetensors
-from mini_infer.kv_cache import PagedKVCache
-from mini_infer.teaching import random_paged_step, attention_by_row
+from mini_infer.plugins.cpu.attention import CPUAttention, paged_decode_kernel, paged_prefill_kernel, pool_zeros
+from mini_infer.plugins.cpu.backend import CPUBackend, KernelOps
+from mini_infer.model.layers import LinearBase, ColumnLinear, GateUpLinear, LinearMethod
+from mini_infer.model.model import RotaryEmbedding, ModelConfig, TORCH_OPS
+from mini_infer.engine.memory_plan import weights_bytes
+from mini_infer.model.loader import load_safetensors
+from mini_infer.engine.kv_cache import PagedKVCache
+from mini_infer.course.teaching import random_paged_step, attention_by_row
 from test_loader import tiny_hf, our_logits
 
 pytestmark = pytest.mark.skipif(linear_kernels() is None, reason="no C compiler for the CPU kernels")
@@ -34,9 +34,9 @@ def _fresh_process(code: str, tmp_path, **env) -> subprocess.CompletedProcess:
 
 CHECK = """
     import torch
-    from mini_infer.linear_kernels import linear_kernels
-    from mini_infer.attention_kernels import cpu_attention_kernels
-    from mini_infer.plugins import load_backend
+    from mini_infer.plugins.cpu.linear import linear_kernels
+    from mini_infer.plugins.cpu.attention import cpu_attention_kernels
+    from mini_infer.engine.registry import load_backend
     print("kernels", linear_kernels() is not None, cpu_attention_kernels() is not None)
     print("auto backend", type(load_backend("auto", "cpu", torch.float32)).__name__)
 """
@@ -52,7 +52,7 @@ def test_off_switch(tmp_path):
     assert r.returncode == 0 and "kernels False False" in r.stdout and "auto backend TorchBackend" in r.stdout, r.stderr
 
 def test_failed_build_shows_the_compiler_error(tmp_path):
-    from mini_infer.kernel_build import load_library
+    from mini_infer.plugins.cpu.build import load_library
     os.environ["MINI_INFER_CACHE"], old = str(tmp_path / "cache"), os.environ.get("MINI_INFER_CACHE")
     try:
         with pytest.warns(UserWarning, match="(?s)unavailable.*error.*not_a_type"):
@@ -72,7 +72,7 @@ def test_without_openmp_the_kernels_run_single_threaded(tmp_path):
 
 def test_the_cache_key_follows_the_cpu(tmp_path, monkeypatch):
     "A library built for one CPU is never loaded on another: the file name hashes what -march=native means here."
-    import mini_infer.kernel_build as ck
+    import mini_infer.plugins.cpu.build as ck
     monkeypatch.setenv("MINI_INFER_CACHE", str(tmp_path / "cache"))
     here = ck.compile_library("int f(void) { return 1; }", ["-O1", "-shared", "-fPIC"], "key")
     assert "__x86_64__" in native_target(os.environ.get("CC", "cc")) or "__aarch64__" in native_target(os.environ.get("CC", "cc"))

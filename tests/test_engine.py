@@ -2,10 +2,10 @@
 preempted == not, seeded sampling independent of the batch, stop strings, aborts, bad input, no leaked blocks."""
 import gc, random, weakref
 import pytest, torch
-from mini_infer.engine import LLMEngine, InvalidRequest
-from mini_infer.llm import LLM, run_to_completion
-from mini_infer.reference import generate
-from mini_infer.sampling import SamplingParams
+from mini_infer.engine.engine import LLMEngine, InvalidRequest
+from mini_infer.engine.llm import LLM, run_to_completion
+from mini_infer.engine.reference import generate
+from mini_infer.engine.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +156,8 @@ def test_text_held_back_at_max_tokens_is_released(llm):
 
 def test_engine_takes_its_model_over_with_one_copy_of_the_weights_and_frees_its_pool(llm):
     "The backend sets the model's layers up in place (chapter 7 packs the weights): one copy; deleting the engine frees its pool."
-    from mini_infer.loader import load_model
-    from mini_infer.memory_plan import weights_bytes
+    from mini_infer.model.loader import load_model
+    from mini_infer.engine.memory_plan import weights_bytes
     model, tok = load_model("smollm2-135m")
     dense = weights_bytes(model)
     eng = LLMEngine(model, tok, kv_cache_memory_gb=0.05)
@@ -175,8 +175,8 @@ def test_half_precision_engine_equals_its_reference(dtype):
     """Half types on the CPU (tiny random Qwen2): with PyTorch's attention, greedy tokens batched through the engine equal
     chapter 1's loop in the same dtype. bfloat16 on the C attention, which computes in float32 where PyTorch rounds to
     bfloat16, may differ at near-ties only."""
-    from mini_infer.model import CausalLM, ModelConfig
-    from mini_infer.teaching import assert_greedy_close
+    from mini_infer.model.model import CausalLM, ModelConfig
+    from mini_infer.course.teaching import assert_greedy_close
     cfg = ModelConfig(vocab_size=151, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, architecture="Qwen2ForCausalLM", attention_bias=True, max_position_embeddings=256)
     torch.manual_seed(0)

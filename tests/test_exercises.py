@@ -4,7 +4,7 @@ read from the folded <details> blocks of the notebooks, so the tests run the cod
 One section per chapter, below the shared helpers."""
 from pathlib import Path
 import pytest
-from mini_infer.exercise import solutions, exercise_headings
+from mini_infer.course.exercise import solutions, exercise_headings
 
 NBS = Path(__file__).parent.parent / "nbs"
 NOTEBOOKS = sorted(p for p in NBS.glob("[0-9][0-9]*_*.ipynb"))
@@ -29,7 +29,7 @@ def test_every_exercise_has_a_solution(p):
 # ---- the mechanism (nbs/98_exercises.ipynb) ----
 
 def test_check_own_check():
-    from mini_infer.exercise import exercise_check, expect
+    from mini_infer.course.exercise import exercise_check, expect
     ns = solution("98_exercises.ipynb", "Exercise 1", exercise_check=exercise_check, expect=expect)
     assert ns["check_cube"](lambda x: x ** 3).ok is True
     wrong = ns["check_cube"](lambda x: 3 * x)
@@ -40,12 +40,12 @@ def test_check_own_check():
 # ---- chapter 05 ----
 
 def test_05_expected_tokens_solution():
-    from mini_infer.exercises_05 import check_expected_tokens
+    from mini_infer.course.exercises.ch05 import check_expected_tokens
     assert check_expected_tokens(solution("05_speculative.ipynb", "Exercise 5.1")["prediction"]).ok is True
 
 
 def test_05_expected_tokens_wrong():
-    from mini_infer.exercises_05 import check_expected_tokens
+    from mini_infer.course.exercises.ch05 import check_expected_tokens
     wrong = check_expected_tokens(1 + 0.7 * 4)   # every guess counted on its own
     assert wrong.ok is False and "before it" in wrong.message
     short = check_expected_tokens(2.773 - 1)     # the model's own token forgotten
@@ -57,28 +57,28 @@ COSTS = {0: 1.0, 1: 1.10, 2: 1.17, 3: 1.19, 4: 1.25, 5: 1.34, 6: 1.39, 7: 1.45, 
 
 
 def test_05_best_k_solution():
-    from mini_infer.exercises_05 import check_best_k
-    from mini_infer.speculative import expected_tokens
+    from mini_infer.course.exercises.ch05 import check_best_k
+    from mini_infer.plugins.speculative import expected_tokens
     ns = solution("05_speculative.ipynb", "Exercise 5.2", expected_tokens=expected_tokens, costs=COSTS)
     assert check_best_k(ns["answer"], COSTS).ok is True
 
 
 def test_05_best_k_wrong():
-    from mini_infer.exercises_05 import check_best_k
+    from mini_infer.course.exercises.ch05 import check_best_k
     wrong = check_best_k((8, 1.0), COSTS)        # "more guesses, more speed"
     assert wrong.ok is False and "c(k)" in wrong.message
     assert check_best_k(None, COSTS).ok is None
 
 
 def test_05_acceptance_rate_solution():
-    from mini_infer.exercises_05 import check_acceptance_rate
+    from mini_infer.course.exercises.ch05 import check_acceptance_rate
     ns = solution("05_speculative.ipynb", "Exercise 5.3")
     assert check_acceptance_rate(ns["acceptance_rate"]).ok is True
 
 
 def test_05_acceptance_rate_wrong():
     import torch
-    from mini_infer.exercises_05 import check_acceptance_rate
+    from mini_infer.course.exercises.ch05 import check_acceptance_rate
     wrong = check_acceptance_rate(lambda p, q: (p * q).sum(-1))   # the chance that two draws agree
     assert wrong.ok is False and "rejection_sample kept" in wrong.message
     def stub(p, q): raise NotImplementedError
@@ -96,16 +96,16 @@ def _heavy_tailed(seed=0):
 
 
 def test_08_rounding_rms_solution():
-    from mini_infer.exercises_08 import check_rounding_rms
-    from mini_infer.quant import quantize_int8
+    from mini_infer.course.exercises.ch08 import check_rounding_rms
+    from mini_infer.plugins.quant import quantize_int8
     W = _heavy_tailed()
     ns = solution("08_quantization.ipynb", "Exercise 8.1", quantize_int8=quantize_int8, W=W)
     assert check_rounding_rms(ns["rms_prediction"], W).ok is True
 
 
 def test_08_rounding_rms_wrong():
-    from mini_infer.exercises_08 import check_rounding_rms
-    from mini_infer.quant import quantize_int8
+    from mini_infer.course.exercises.ch08 import check_rounding_rms
+    from mini_infer.plugins.quant import quantize_int8
     W = _heavy_tailed()
     _, s = quantize_int8(W, 64)
     half_step = (s.pow(2).mean().sqrt() / 2).item()          # the bound, not the typical error
@@ -117,15 +117,15 @@ def test_08_rounding_rms_wrong():
 
 
 def test_08_per_tensor_solution():
-    from mini_infer.exercises_08 import check_per_tensor
+    from mini_infer.course.exercises.ch08 import check_per_tensor
     ns = solution("08_quantization.ipynb", "Exercise 8.2")
     v = check_per_tensor(ns["quantize_per_tensor"], _heavy_tailed())
     assert v.ok is True and "one scale" in v.message
 
 
 def test_08_per_tensor_wrong():
-    from mini_infer.exercises_08 import check_per_tensor
-    from mini_infer.quant import quantize_int8
+    from mini_infer.course.exercises.ch08 import check_per_tensor
+    from mini_infer.plugins.quant import quantize_int8
     wrong = check_per_tensor(lambda w: quantize_int8(w), _heavy_tailed())   # per output channel
     assert wrong.ok is False and "one scale for the whole tensor" in wrong.message
     def stub(w): raise NotImplementedError
@@ -134,8 +134,8 @@ def test_08_per_tensor_wrong():
 
 def _tiny_int8_model():
     import torch
-    from mini_infer.model import CausalLM, ModelConfig
-    from mini_infer.quant import quantize_model
+    from mini_infer.model.model import CausalLM, ModelConfig
+    from mini_infer.plugins.quant import quantize_model
     cfg = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, architecture="LlamaForCausalLM", tie_word_embeddings=True, max_position_embeddings=64)
     torch.manual_seed(0)
@@ -143,8 +143,8 @@ def _tiny_int8_model():
 
 
 def test_08_int8_floor_solution():
-    from mini_infer.exercises_08 import check_int8_floor
-    from mini_infer.memory_plan import count_parameters
+    from mini_infer.course.exercises.ch08 import check_int8_floor
+    from mini_infer.engine.memory_plan import count_parameters
     cfg, qmodel = _tiny_int8_model()
     bw = 20e9
     ns = solution("08_quantization.ipynb", "Exercise 8.3", n_weights=count_parameters(cfg), bw=bw)
@@ -152,8 +152,8 @@ def test_08_int8_floor_solution():
 
 
 def test_08_int8_floor_wrong():
-    from mini_infer.exercises_08 import check_int8_floor
-    from mini_infer.memory_plan import count_parameters
+    from mini_infer.course.exercises.ch08 import check_int8_floor
+    from mini_infer.engine.memory_plan import count_parameters
     cfg, qmodel = _tiny_int8_model()
     bw = 20e9
     wrong = check_int8_floor(count_parameters(cfg) / bw * 1e3, qmodel, bw)   # the scales forgotten
@@ -163,7 +163,7 @@ def test_08_int8_floor_wrong():
 # ---- chapter 07 ----
 
 def test_ch07_weight_floor():
-    from mini_infer.exercises_07 import check_weight_floor
+    from mini_infer.course.exercises.ch07 import check_weight_floor
     wb, bw = 85_000_000, 12.5
     ns = solution("07_cpu_kernels.ipynb", "Exercise 7.1", weight_bytes=wb, bandwidth=bw)
     assert check_weight_floor(ns["prediction"], wb, bw).ok is True
@@ -175,7 +175,7 @@ def test_ch07_weight_floor():
 
 
 def test_ch07_intensity():
-    from mini_infer.exercises_07 import check_intensity
+    from mini_infer.course.exercises.ch07 import check_intensity
     ns = solution("07_cpu_kernels.ipynb", "Exercise 7.2", bandwidth=12.5)
     assert check_intensity(ns["intensity"]).ok is True
     one_flop = check_intensity(lambda M, N, K: M * N * K / (4 * (N * K + M * K + M * N)))
@@ -190,7 +190,7 @@ def test_ch07_intensity():
 
 def test_ch07_pack():
     import torch
-    from mini_infer.exercises_07 import check_pack
+    from mini_infer.course.exercises.ch07 import check_pack
     ns = solution("07_cpu_kernels.ipynb", "Exercise 7.3")
     assert check_pack(ns["pack"]).ok is True
     def no_transpose(W, block):
@@ -204,7 +204,7 @@ def test_ch07_pack():
 
 
 def test_ch07_kv_read():
-    from mini_infer.exercises_07b import check_kv_read
+    from mini_infer.course.exercises.ch07b import check_kv_read
     args = dict(rows=32, context=1000, kv_heads=3, head_dim=64, bytes_per_value=2)
     ns = solution("07b_cpu_attention.ipynb", "Exercise 7.4")
     assert check_kv_read(ns["prediction"], **args).ok is True
@@ -216,7 +216,7 @@ def test_ch07_kv_read():
 
 def test_ch07_online_softmax():
     import torch
-    from mini_infer.exercises_07b import check_online_softmax
+    from mini_infer.course.exercises.ch07b import check_online_softmax
     ns = solution("07b_cpu_attention.ipynb", "Exercise 7.5")
     assert check_online_softmax(ns["attend_tiled"]).ok is True
     def no_rescale(q, K, V, tile):    # a running maximum, but the old sums are not rescaled when it rises
@@ -235,7 +235,7 @@ def test_ch07_online_softmax():
 
 
 def test_ch07_plan():
-    from mini_infer.exercises_07b import check_plan
+    from mini_infer.course.exercises.ch07b import check_plan
     lens = [1, 1, 1, 5, 9, 10, 40]
     ns = solution("07b_cpu_attention.ipynb", "Exercise 7.6")
     assert check_plan(ns["prediction"], lens).ok is True
@@ -247,7 +247,7 @@ def test_ch07_plan():
 
 def test_ch07_rms_norm():
     import torch
-    from mini_infer.exercises_07c import check_rms_norm
+    from mini_infer.course.exercises.ch07c import check_rms_norm
     ns = solution("07c_step_replay.ipynb", "Exercise 7.7")
     assert check_rms_norm(ns["rms_norm"]).ok is True
     no_eps = check_rms_norm(lambda x, w, eps: x / x.pow(2).mean(-1, keepdim=True).sqrt() * w)
@@ -260,7 +260,7 @@ def test_ch07_rms_norm():
 
 
 def test_ch07_replayed():
-    from mini_infer.exercises_07c import check_replayed
+    from mini_infer.course.exercises.ch07c import check_replayed
     steps = [[1] * 16, [1] * 17, [4, 4, 4, 4], [10], [1, 1, 9, 5], [3] * 6, [5] * 13, [1] * 70]
     ns = solution("07c_step_replay.ipynb", "Exercise 7.8")
     assert check_replayed(ns["prediction"], steps).ok is True
@@ -271,7 +271,7 @@ def test_ch07_replayed():
 
 
 def test_ch07_recorded_calls():
-    from mini_infer.exercises_07c import check_recorded_calls
+    from mini_infer.course.exercises.ch07c import check_recorded_calls
     ns = solution("07c_step_replay.ipynb", "Exercise 7.9")
     assert check_recorded_calls(ns["prediction"], n_layers=30).ok is True
     per_token = check_recorded_calls((360, 16 * 360), n_layers=30)
@@ -283,7 +283,7 @@ def test_ch07_recorded_calls():
 # ---- chapter 02 ----
 
 def test_02_slot():
-    from mini_infer.exercises_02 import check_slot
+    from mini_infer.course.exercises.ch02 import check_slot
     assert check_slot(solution("02_paged_cache.ipynb", "Exercise 2.1")["slot"]).ok is True
     wrong = check_slot(lambda blocks, p, S: blocks[p // S] + p % S)
     assert wrong.ok is False and "b * S" in wrong.message
@@ -296,8 +296,8 @@ def test_02_slot():
 
 def test_02_kv_bytes():
     import torch
-    from mini_infer.model import ModelConfig
-    from mini_infer.exercises_02 import check_kv_bytes
+    from mini_infer.model.model import ModelConfig
+    from mini_infer.course.exercises.ch02 import check_kv_bytes
     llama8b = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                           num_attention_heads=32, num_key_value_heads=8)
     ns = solution("02_paged_cache.ipynb", "Exercise 2.2")
@@ -311,7 +311,7 @@ def test_02_kv_bytes():
 
 
 def test_02_utilisation():
-    from mini_infer.exercises_02 import check_utilisation
+    from mini_infer.course.exercises.ch02 import check_utilisation
     ns = solution("02_paged_cache.ipynb", "Exercise 2.3")
     assert check_utilisation(ns["prediction"], ns["workload"], ns["S"]).ok is True
     assert check_utilisation(520 / 704, ns["workload"], 64).ok is True
@@ -327,7 +327,7 @@ def test_02_utilisation():
 
 def test_03_shortest_prompt_first():
     from collections import deque
-    from mini_infer.exercises_03 import check_shortest_prompt_first
+    from mini_infer.course.exercises.ch03 import check_shortest_prompt_first
     ns = solution("03_continuous_batching.ipynb", "Exercise 3.1", deque=deque)
     assert check_shortest_prompt_first(ns["shortest_prompt_first"]).ok is True
     longest = check_shortest_prompt_first(lambda w, kv: deque(sorted(w, key=lambda s: -len(s.prompt_ids))))
@@ -341,8 +341,8 @@ def test_03_shortest_prompt_first():
 
 
 def test_03_spf_ttft():
-    from mini_infer.exercises_03 import check_spf_ttft, ttft_in_steps
-    from mini_infer.scheduler import fcfs
+    from mini_infer.course.exercises.ch03 import check_spf_ttft, ttft_in_steps
+    from mini_infer.engine.scheduler import fcfs
     ns = solution("03_continuous_batching.ipynb", "Exercise 3.2")
     assert check_spf_ttft(ns["prediction"]).ok is True
     wrong = check_spf_ttft(("down", "down"))   # as if nobody paid for the better mean
@@ -354,7 +354,7 @@ def test_03_spf_ttft():
 
 
 def test_03_static_padding():
-    from mini_infer.exercises_03 import check_static_padding
+    from mini_infer.course.exercises.ch03 import check_static_padding
     ns = solution("03_continuous_batching.ipynb", "Exercise 3.3")
     assert check_static_padding(ns["prediction"], ns["lens"], ns["B"]).ok is True
     steps = check_static_padding(60, ns["lens"], ns["B"])   # the steps, not the padded slots
@@ -366,8 +366,8 @@ def test_03_static_padding():
 # ---- chapter 04 ----
 
 def test_04_block_keys():
-    from mini_infer.prefix_cache import hash_block
-    from mini_infer.exercises_04 import check_block_keys
+    from mini_infer.plugins.prefix_cache import hash_block
+    from mini_infer.course.exercises.ch04 import check_block_keys
     assert check_block_keys(solution("04_prefix_cache.ipynb", "Exercise 4.1", hash_block=hash_block)["block_keys"]).ok is True
 
     def salt_everywhere(token_ids, S, salt=None):
@@ -391,7 +391,7 @@ def test_04_block_keys():
 
 
 def test_04_hit_rate():
-    from mini_infer.exercises_04 import check_hit_rate
+    from mini_infer.course.exercises.ch04 import check_hit_rate
     assert check_hit_rate(solution("04_prefix_cache.ipynb", "Exercise 4.2")["prediction"]).ok is True
     naive = check_hit_rate(100 / 120)   # the whole prefix, as if partial blocks were shared
     assert naive.ok is False and "full blocks" in naive.message
@@ -400,7 +400,7 @@ def test_04_hit_rate():
 
 
 def test_04_unsalted_hits():
-    from mini_infer.exercises_04 import check_unsalted_hits, cached_tokens
+    from mini_infer.course.exercises.ch04 import check_unsalted_hits, cached_tokens
     assert check_unsalted_hits(solution("04_prefix_cache.ipynb", "Exercise 4.3")["prediction"]).ok is True
     whole = check_unsalted_hits(260)   # B's own last tokens counted too
     assert whole.ok is False and "last tokens" in whole.message
@@ -412,14 +412,14 @@ def test_04_unsalted_hits():
 # ---- chapter 01 ----
 
 def smol_cfg():
-    from mini_infer.model import ModelConfig
+    from mini_infer.model.model import ModelConfig
     return ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                        num_attention_heads=9, num_key_value_heads=3, rope_theta=1e5, tie_word_embeddings=True)
 
 
 def test_01_relative_score():
     import torch
-    from mini_infer.exercises_01 import check_relative_score
+    from mini_infer.course.exercises.ch01 import check_relative_score
     cfg = smol_cfg()
     ns = solution("01_model.ipynb", "Exercise 1.1", check_relative_score=check_relative_score, smol_cfg=cfg)
     assert check_relative_score(ns["relative_score"], cfg).ok is True
@@ -433,8 +433,8 @@ def test_01_relative_score():
 
 
 def test_01_kv_ratio():
-    from mini_infer.model import ModelConfig
-    from mini_infer.exercises_01 import check_kv_ratio
+    from mini_infer.model.model import ModelConfig
+    from mini_infer.course.exercises.ch01 import check_kv_ratio
     cfg = smol_cfg()
     mha = ModelConfig(**{**vars(cfg), "num_key_value_heads": 9})
     ns = solution("01_model.ipynb", "Exercise 1.2", check_kv_ratio=check_kv_ratio, smol_cfg=cfg, mha_cfg=mha)
@@ -447,7 +447,7 @@ def test_01_kv_ratio():
 
 
 def test_01_param_count():
-    from mini_infer.exercises_01 import check_param_count
+    from mini_infer.course.exercises.ch01 import check_param_count
     cfg = smol_cfg()
     ns = solution("01_model.ipynb", "Exercise 1.3", check_param_count=check_param_count, smol_cfg=cfg)
     assert ns["prediction"] == 134_515_008 and check_param_count(ns["prediction"], cfg).ok is True
@@ -461,14 +461,14 @@ def test_01_param_count():
 @pytest.fixture(scope="module")
 def smol_gguf():
     import gguf
-    from mini_infer.loader import bundled_gguf_path
-    from mini_infer.tokenizer import Tokenizer
+    from mini_infer.model.loader import bundled_gguf_path
+    from mini_infer.model.tokenizer import Tokenizer
     reader = gguf.GGUFReader(str(bundled_gguf_path()))
     return reader, Tokenizer.from_gguf(reader)
 
 
 def test_01b_chatml(smol_gguf):
-    from mini_infer.exercises_01b import check_chatml
+    from mini_infer.course.exercises.ch01b import check_chatml
     tok = smol_gguf[1]
     ns = solution("01b_weights_and_tokens.ipynb", "Exercise 1.4", check_chatml=check_chatml, smol_tok=tok)
     assert check_chatml(ns["chatml"], tok).ok is True
@@ -483,7 +483,7 @@ def test_01b_chatml(smol_gguf):
 
 
 def test_01b_gguf_bytes(smol_gguf):
-    from mini_infer.exercises_01b import check_gguf_bytes
+    from mini_infer.course.exercises.ch01b import check_gguf_bytes
     reader = smol_gguf[0]
     ns = solution("01b_weights_and_tokens.ipynb", "Exercise 1.5", check_gguf_bytes=check_gguf_bytes, reader=reader)
     assert check_gguf_bytes(ns["prediction"], reader).ok is True
@@ -496,7 +496,7 @@ def test_01b_gguf_bytes(smol_gguf):
 
 def test_01b_q8_0(smol_gguf):
     import numpy as np
-    from mini_infer.exercises_01b import check_q8_0
+    from mini_infer.course.exercises.ch01b import check_q8_0
     reader = smol_gguf[0]
     ns = solution("01b_weights_and_tokens.ipynb", "Exercise 1.6", check_q8_0=check_q8_0, reader=reader, np=np)
     assert check_q8_0(ns["dequant_q8_0"], reader).ok is True
@@ -511,7 +511,7 @@ def test_01b_q8_0(smol_gguf):
 
 def test_01c_top_p():
     import torch
-    from mini_infer.exercises_01c import check_top_p
+    from mini_infer.course.exercises.ch01c import check_top_p
     ns = solution("01c_sampling_and_generate.ipynb", "Exercise 1.7", check_top_p=check_top_p, torch=torch)
     assert check_top_p(ns["top_p_keep"]).ok is True
     def without_crossing(probs, p):   # keeps tokens while the mass *including* them is < p
@@ -533,7 +533,7 @@ def test_01c_top_p():
 
 def test_01c_entropy_limit():
     import math, torch
-    from mini_infer.exercises_01c import check_entropy_limit
+    from mini_infer.course.exercises.ch01c import check_entropy_limit
     demo = -torch.log(torch.arange(1, 51.0))
     ns = solution("01c_sampling_and_generate.ipynb", "Exercise 1.8", check_entropy_limit=check_entropy_limit, demo=demo)
     assert check_entropy_limit(ns["prediction"], demo).ok is True
@@ -545,7 +545,7 @@ def test_01c_entropy_limit():
 
 
 def test_01c_recompute_tokens():
-    from mini_infer.exercises_01c import check_recompute_tokens
+    from mini_infer.course.exercises.ch01c import check_recompute_tokens
     prompt = list(range(5))
     ns = solution("01c_sampling_and_generate.ipynb", "Exercise 1.9", check_recompute_tokens=check_recompute_tokens, prompt=prompt)
     assert ns["prediction"] == 12 * 5 + 66 and check_recompute_tokens(ns["prediction"], 5, 12).ok is True
@@ -557,7 +557,7 @@ def test_01c_recompute_tokens():
 
 # ---- chapter 06 ----
 
-from mini_infer.exercises_06 import check_last_event, check_sse_events, check_kv_usage_metric, check_max_num_seqs
+from mini_infer.course.exercises.ch06 import check_last_event, check_sse_events, check_kv_usage_metric, check_max_num_seqs
 
 
 def _stub(*args):
@@ -613,18 +613,18 @@ def test_06_max_num_seqs():
 # ---- chapter 09 ----
 
 def _smollm_cfg():
-    from mini_infer.model import ModelConfig
+    from mini_infer.model.model import ModelConfig
     return ModelConfig(49152, 576, 1536, 30, 9, 3, tie_word_embeddings=True)
 
 
 def _qwen7b_cfg():
-    from mini_infer.model import ModelConfig
+    from mini_infer.model.model import ModelConfig
     return ModelConfig(152064, 3584, 18944, 28, 28, 4, attention_bias=True, architecture="Qwen2ForCausalLM")
 
 
 def test_09_masked_lookup():
     import torch
-    from mini_infer.exercises_09 import check_masked_lookup
+    from mini_infer.course.exercises.ch09 import check_masked_lookup
     ns = solution("09_scaling_out.ipynb", "Exercise 9.1", torch=torch)
     assert check_masked_lookup(ns["lookup"]).ok is True
     wrong = check_masked_lookup(lambda ids, rows, start: rows[(ids - start).clamp(0, rows.shape[0] - 1)])  # no mask
@@ -635,7 +635,7 @@ def test_09_masked_lookup():
 
 
 def test_09_all_reduce_count():
-    from mini_infer.exercises_09 import check_all_reduce_count
+    from mini_infer.course.exercises.ch09 import check_all_reduce_count
     ns = solution("09_scaling_out.ipynb", "Exercise 9.2")
     assert check_all_reduce_count(ns["prediction"], _smollm_cfg()).ok is True
     wrong = check_all_reduce_count(60, _smollm_cfg())
@@ -644,7 +644,7 @@ def test_09_all_reduce_count():
 
 
 def test_09_kv_ratio():
-    from mini_infer.exercises_09 import check_kv_ratio
+    from mini_infer.course.exercises.ch09 import check_kv_ratio
     ns = solution("09_scaling_out.ipynb", "Exercise 9.3")
     assert check_kv_ratio(ns["kv_ratio"], _qwen7b_cfg()).ok is True
     wrong = check_kv_ratio(0.5, _qwen7b_cfg())
@@ -655,16 +655,16 @@ def test_09_kv_ratio():
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from mini_infer.loader import resolve_model
-    from mini_infer.tokenizer import Tokenizer
+    from mini_infer.model.loader import resolve_model
+    from mini_infer.model.tokenizer import Tokenizer
     return Tokenizer.from_gguf(str(resolve_model()))
 
 
 def test_ch10_allowed_tokens():
-    from mini_infer.exercises_10 import check_allowed
+    from mini_infer.course.exercises.ch10 import check_allowed
     ns = solution("10_structured_outputs.ipynb", "Exercise 10.1")
     assert check_allowed(ns["allowed"]).ok is True
-    from mini_infer.structured import walk
+    from mini_infer.plugins.structured import walk
     # a plausible mistake: allowing a token if its FIRST character has an edge
     first_only = lambda dfa, acc, s, vocab: [t for t in vocab if (s in acc if t == "<eos>" else walk(dfa, s, t[0]) is not None)]
     wrong = check_allowed(first_only)
@@ -675,7 +675,7 @@ def test_ch10_allowed_tokens():
 
 
 def test_ch10_choice_prediction(smollm2_tokenizer):
-    from mini_infer.exercises_10 import check_choice_prediction
+    from mini_infer.course.exercises.ch10 import check_choice_prediction
     ns = solution("10_structured_outputs.ipynb", "Exercise 10.2", tok=smollm2_tokenizer,
                   check_choice_prediction=check_choice_prediction)
     assert check_choice_prediction(ns["prediction"], smollm2_tokenizer).ok is True
@@ -685,7 +685,7 @@ def test_ch10_choice_prediction(smollm2_tokenizer):
 
 
 def test_ch10_whitespace(smollm2_tokenizer):
-    from mini_infer.exercises_10 import check_whitespace
+    from mini_infer.course.exercises.ch10 import check_whitespace
     ns = solution("10_structured_outputs.ipynb", "Exercise 10.3", tok=smollm2_tokenizer, check_whitespace=check_whitespace)
     assert check_whitespace(ns["whitespace_prediction"], smollm2_tokenizer).ok is True
     wrong = check_whitespace("fewer", smollm2_tokenizer)
@@ -696,7 +696,7 @@ def test_ch10_whitespace(smollm2_tokenizer):
 # ---- chapter 10b ----
 
 def test_ch10b_signature():
-    from mini_infer.exercises_10b import check_signature
+    from mini_infer.course.exercises.ch10b import check_signature
     ns = solution("10b_repomap.ipynb", "Exercise 10b.1", check_signature=check_signature)
     assert check_signature(ns["signature"]).ok is True
     import ast
@@ -709,7 +709,7 @@ def test_ch10b_signature():
 
 
 def test_ch10b_recomputed():
-    from mini_infer.exercises_10b import check_recomputed
+    from mini_infer.course.exercises.ch10b import check_recomputed
     ns = solution("10b_repomap.ipynb", "Exercise 10b.2", check_recomputed=check_recomputed, ids=[0] * 1030, cached=[0, 1008])
     assert ns["check_recomputed"](ns["prediction"], 1030, 1008).ok is True
     wrong = check_recomputed(1030, 1030, 1008)  # as if nothing were cached
@@ -720,7 +720,7 @@ def test_ch10b_recomputed():
 def test_ch10b_bonus():
     import mini_infer
     from pathlib import Path
-    from mini_infer.exercises_10b import check_bonus
+    from mini_infer.course.exercises.ch10b import check_bonus
     from mini_infer.repomap import model_tokenizer, repo_map
     tok = model_tokenizer()
     count = lambda text: len(tok.encode(text))

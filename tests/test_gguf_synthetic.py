@@ -5,9 +5,9 @@ import pytest
 import torch
 import gguf
 from gguf import GGMLQuantizationType as T
-from mini_infer.loader import load_model
-from mini_infer.model import ContiguousKVCache, ContiguousStep
-from mini_infer.tokenizer import _byte_alphabet
+from mini_infer.model.loader import load_model
+from mini_infer.model.model import ContiguousKVCache, ContiguousStep
+from mini_infer.model.tokenizer import _byte_alphabet
 
 transformers = pytest.importorskip("transformers")
 

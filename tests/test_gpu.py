@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA G
 def test_attention_stays_on_fused_kernels_in_float16(T, S, q_start):
     "With only the flash and memory-efficient backends allowed, SDPA would raise if our calls needed the math path."
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from mini_infer.model import causal_attention
+    from mini_infer.model.model import causal_attention
     q, k, v = torch.randn(T, 14, 64, device="cuda", dtype=torch.float16), *torch.randn(2, S, 2, 64, device="cuda", dtype=torch.float16)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]): fused = causal_attention(q, k, v, q_start)
     with sdpa_kernel([SDPBackend.MATH]): math = causal_attention(q.float(), k.float(), v.float(), q_start)
@@ -18,18 +18,18 @@ def test_attention_stays_on_fused_kernels_in_float16(T, S, q_start):
 
 
 def test_default_dtype_follows_compute_capability():
-    from mini_infer.loader import default_dtype
+    from mini_infer.model.loader import default_dtype
     want = torch.bfloat16 if torch.cuda.get_device_capability() >= (8, 0) else torch.float16
     assert default_dtype("cuda") == want
 
 
 def test_engine_on_cuda_matches_chapter_1_up_to_near_ties():
-    from mini_infer.model import CausalLM, ModelConfig
-    from mini_infer.engine import LLMEngine
-    from mini_infer.llm import run_to_completion
-    from mini_infer.reference import generate
-    from mini_infer.sampling import SamplingParams
-    from mini_infer.teaching import assert_greedy_close
+    from mini_infer.model.model import CausalLM, ModelConfig
+    from mini_infer.engine.engine import LLMEngine
+    from mini_infer.engine.llm import run_to_completion
+    from mini_infer.engine.reference import generate
+    from mini_infer.engine.sampling import SamplingParams
+    from mini_infer.course.teaching import assert_greedy_close
     cfg = ModelConfig(vocab_size=151, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
                       num_key_value_heads=2, architecture="Qwen2ForCausalLM", attention_bias=True, max_position_embeddings=512)
     torch.manual_seed(0)
@@ -46,11 +46,11 @@ def test_engine_on_cuda_matches_chapter_1_up_to_near_ties():
 
 def test_speculative_engine_on_cuda_matches_plain_up_to_near_ties():
     "n-gram and draft-model guesses on the GPU (float16): greedy tokens those of plain decoding, near-ties aside; the draft's blocks freed."
-    from mini_infer.model import CausalLM, ModelConfig
-    from mini_infer.engine import LLMEngine
-    from mini_infer.llm import run_to_completion
-    from mini_infer.sampling import SamplingParams
-    from mini_infer.teaching import assert_greedy_close
+    from mini_infer.model.model import CausalLM, ModelConfig
+    from mini_infer.engine.engine import LLMEngine
+    from mini_infer.engine.llm import run_to_completion
+    from mini_infer.engine.sampling import SamplingParams
+    from mini_infer.course.teaching import assert_greedy_close
     cfg = ModelConfig(vocab_size=151, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
                       num_key_value_heads=2, architecture="Qwen2ForCausalLM", attention_bias=True, max_position_embeddings=512)
     torch.manual_seed(0)

@@ -2,10 +2,10 @@
 import json, os, time
 import pytest
 import torch
-from mini_infer.model import ContiguousKVCache, ContiguousStep
-from mini_infer.loader import (load_model, load_safetensors, resolve_model, bundled_gguf_path, gguf_cache_dir,
+from mini_infer.model.model import ContiguousKVCache, ContiguousStep
+from mini_infer.model.loader import (load_model, load_safetensors, resolve_model, bundled_gguf_path, gguf_cache_dir,
                                CheckpointError, ModelNotFoundError, DEFAULT_MODEL, _hub_snapshot)
-from mini_infer.tokenizer import Tokenizer
+from mini_infer.model.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -187,7 +187,7 @@ def test_truncated_and_corrupt_gguf(tmp_path, cache_dir):
 
 def test_converted_model_cache_follows_the_converter_code(monkeypatch):
     "A converter that would write the folder differently never reuses a folder an older one wrote."
-    import mini_infer.loader as loader
+    import mini_infer.model.loader as loader
     before = gguf_cache_dir(bundled_gguf_path())
     assert gguf_cache_dir(bundled_gguf_path()) == before                       # stable while nothing changes
     monkeypatch.setattr(loader, "unpermute", lambda w, n_heads: w[::-1])       # a changed converter step...

@@ -8,11 +8,11 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), rea
 
 RUN = textwrap.dedent("""
     import json, sys, torch
-    from mini_infer.model import CausalLM, ModelConfig
-    from mini_infer.engine import LLMEngine
-    from mini_infer.llm import run_to_completion
-    from mini_infer.sampling import SamplingParams
-    from mini_infer.memory_plan import weights_bytes
+    from mini_infer.model.model import CausalLM, ModelConfig
+    from mini_infer.engine.engine import LLMEngine
+    from mini_infer.engine.llm import run_to_completion
+    from mini_infer.engine.sampling import SamplingParams
+    from mini_infer.engine.memory_plan import weights_bytes
 
     def rss(field):
         return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(field))

@@ -6,15 +6,15 @@ import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from mini_infer.loader import load_model
-from mini_infer.model import CausalLM, ModelConfig
-from mini_infer.block_manager import BlockAllocator, BlockTable
-from mini_infer.memory_plan import plan_memory, count_parameters, kv_bytes_per_token, info_table
-from mini_infer.paged_attention import TorchAttention, paged_attention_ref, paged_decode, paged_decode_flash
-from mini_infer.kv_cache import PagedKVCache
-from mini_infer.teaching import generate_paged, random_paged_step, attention_by_row
-from mini_infer.reference import generate
-from mini_infer.sampling import SamplingParams
+from mini_infer.model.loader import load_model
+from mini_infer.model.model import CausalLM, ModelConfig
+from mini_infer.engine.block_manager import BlockAllocator, BlockTable
+from mini_infer.engine.memory_plan import plan_memory, count_parameters, kv_bytes_per_token, info_table
+from mini_infer.engine.attention import TorchAttention, paged_attention_ref, paged_decode, paged_decode_flash
+from mini_infer.engine.kv_cache import PagedKVCache
+from mini_infer.course.teaching import generate_paged, random_paged_step, attention_by_row
+from mini_infer.engine.reference import generate
+from mini_infer.engine.sampling import SamplingParams
 
 IMPLS = ["reference", "gather", "flash"]
 

@@ -4,9 +4,9 @@ TP = 3 on SmolLM2-135M); a killed worker raises within seconds; no process outli
 import os, signal, time
 import psutil, pytest, torch
 from conftest import save_tiny_qwen
-from mini_infer.layers import Shard, ColumnLinear, QKVLinear, RowLinear, VocabEmbedding, LMHead
-from mini_infer.llm import LLM
-from mini_infer.sampling import SamplingParams
+from mini_infer.model.layers import Shard, ColumnLinear, QKVLinear, RowLinear, VocabEmbedding, LMHead
+from mini_infer.engine.llm import LLM
+from mini_infer.engine.sampling import SamplingParams
 
 TEST_TIMEOUT = 240  # seconds: a test that takes longer has hung
 
@@ -156,7 +156,7 @@ def test_tp3_smollm_equals_tp1():
 
 
 def test_killed_worker_raises_fast(tiny_qwen):
-    from mini_infer.parallel import WorkerDied
+    from mini_infer.plugins.parallel import WorkerDied
     llm = LLM(tiny_qwen, device="cpu", dtype="float32", tensor_parallel_size=2, kv_cache_memory_gb=0.05)
     try:
         llm.generate("warm up", SamplingParams(max_tokens=2))
@@ -176,7 +176,7 @@ def test_killed_worker_raises_fast(tiny_qwen):
 def test_worker_killed_while_generating_raises_fast(tiny_qwen):
     "A worker killed while the engine runs (in a step's collectives or between steps) ends the run with WorkerDied."
     import threading
-    from mini_infer.parallel import WorkerDied
+    from mini_infer.plugins.parallel import WorkerDied
     with LLM(tiny_qwen, device="cpu", dtype="float32", tensor_parallel_size=2, kv_cache_memory_gb=0.05) as llm:
         worker = llm.engine.workers.procs[0]
         threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
@@ -199,9 +199,9 @@ def test_close_stops_workers(tiny_qwen):
 def test_server_with_tensor_parallel_size(tiny_qwen, tmp_path):
     "`serve(..., tensor_parallel_size=2)` answers as TP = 1 does offline; killing the server (SIGKILL) leaves no worker."
     import subprocess, sys, httpx
-    from mini_infer.server import free_port
+    from mini_infer.serve.server import free_port
     port, log = free_port(), open(tmp_path / "server.log", "w")
-    code = (f"from mini_infer.server import serve; serve({tiny_qwen!r}, port={port}, device='cpu', dtype='float32', "
+    code = (f"from mini_infer.serve.server import serve; serve({tiny_qwen!r}, port={port}, device='cpu', dtype='float32', "
             f"log_level='warning', kv_cache_memory_gb=0.05, tensor_parallel_size=2)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "MINI_INFER_API_KEY": ""})
@@ -241,12 +241,12 @@ def test_cli_takes_tensor_parallel_size():
 
 # ---- data parallelism: routing ----
 def test_queue_router_picks_least_loaded():
-    from mini_infer.parallel import QueueRouter
+    from mini_infer.plugins.parallel import QueueRouter
     assert QueueRouter(3).route([1, 2, 3], [2, 0, 1]) == 1
 
 
 def test_prefix_router_affinity_and_fallback():
-    from mini_infer.parallel import PrefixRouter
+    from mini_infer.plugins.parallel import PrefixRouter
     r = PrefixRouter(2, block_size=4, slack=2)
     turn1 = list(range(40))
     first = r.route(turn1, [0, 0])
@@ -259,7 +259,7 @@ def test_prefix_router_affinity_and_fallback():
 def test_prefix_router_spreads_a_shared_system_prompt():
     """Conversations that share a system prompt spread over the replicas (the shared prefix is no reason to pick
     one); the next turns of each come back to its replica, even when the other one is less busy."""
-    from mini_infer.parallel import PrefixRouter
+    from mini_infer.plugins.parallel import PrefixRouter
     r, system, loads = PrefixRouter(2, block_size=4, slack=2), list(range(100, 120)), [0, 0]
     talks, homes = [system + [c] * 9 for c in range(4)], []   # 5 shared blocks, then 2 of each conversation
     for ids in talks:
@@ -275,7 +275,7 @@ def test_prefix_affinity_beats_queue_balancing_on_chat(tiny_qwen):
     """Step times that vary (seeded: the same run under any load) scatter a conversation's turns over the
     replicas under queue balancing; prefix affinity keeps them where their history is cached."""
     import random
-    from mini_infer.parallel import QueueRouter, PrefixRouter, chat_workload, simulate_chat
+    from mini_infer.plugins.parallel import QueueRouter, PrefixRouter, chat_workload, simulate_chat
     talks, sp = chat_workload(8, 4), SamplingParams(max_tokens=4, temperature=0)
     rates = {}
     for make in (QueueRouter, PrefixRouter):
@@ -290,7 +290,7 @@ def test_prefix_affinity_beats_queue_balancing_on_chat(tiny_qwen):
 
 def test_data_parallel_engine_equals_one_engine(tiny_qwen):
     "LLM(data_parallel_size=2): both replicas work, the greedy tokens are one engine's; ids are unique across replicas."
-    from mini_infer.sampling import InvalidRequest
+    from mini_infer.engine.sampling import InvalidRequest
     sp = SamplingParams(max_tokens=12, temperature=0, logprobs=0)
     ref = generate(tiny_qwen, PROMPTS, sp, kv_cache_memory_gb=0.05)
     with LLM(tiny_qwen, device="cpu", dtype="float32", kv_cache_memory_gb=0.05, data_parallel_size=2) as llm:
@@ -325,7 +325,7 @@ def test_data_parallel_of_tensor_parallel_equals_one_engine(tiny_qwen):
 def test_server_with_data_parallel_size(tiny_qwen):
     "The API server over two replicas: /health, a completion equal to one engine's, /metrics summed over replicas."
     import httpx
-    from mini_infer.server import build_app, ServerThread
+    from mini_infer.serve.server import build_app, ServerThread
     ref = generate(tiny_qwen, PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0, logprobs=0), kv_cache_memory_gb=0.05)
     with LLM(tiny_qwen, device="cpu", dtype="float32", kv_cache_memory_gb=0.05, data_parallel_size=2) as llm:
         server = ServerThread(build_app(llm))
@@ -342,8 +342,8 @@ def test_server_with_data_parallel_size(tiny_qwen):
 
 TORCHRUN_SCRIPT = """
 import json, sys
-from mini_infer.llm import LLM
-from mini_infer.sampling import SamplingParams
+from mini_infer.engine.llm import LLM
+from mini_infer.engine.sampling import SamplingParams
 model, prompts, out, dp = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 # every rank runs this line; ranks 1.. serve rank 0's steps inside it and exit when rank 0 closes
 with LLM(model, device="cpu", dtype="float32", tensor_parallel_size=2, data_parallel_size=dp,
@@ -374,7 +374,7 @@ def test_torchrun_standalone_equals_tp1(tiny_qwen, tmp_path, dp):
 def test_server_answers_503_after_a_worker_dies(tiny_qwen):
     "A killed worker: the request in flight fails with 503 within seconds, later ones get 503, /health fails; no hang."
     import httpx
-    from mini_infer.server import build_app, ServerThread
+    from mini_infer.serve.server import build_app, ServerThread
     with LLM(tiny_qwen, device="cpu", dtype="float32", tensor_parallel_size=2, kv_cache_memory_gb=0.05) as llm:
         server = ServerThread(build_app(llm))
         try:
@@ -420,8 +420,8 @@ class CountingOpen:
 def test_sharded_loading_reads_only_the_ranks_slices(tiny_qwen, monkeypatch):
     "Each rank's tensors equal the slices of the whole checkpoint's, and it reads only ~1/N of the split weights."
     from safetensors.torch import load_file
-    import mini_infer.loader as loader
-    from mini_infer.model import CausalLM, ModelConfig
+    import mini_infer.model.loader as loader
+    from mini_infer.model.model import CausalLM, ModelConfig
     from pathlib import Path
     full = load_file(str(Path(tiny_qwen) / "model.safetensors"))
     total = sum(t.numel() * t.element_size() for t in full.values())

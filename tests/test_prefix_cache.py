@@ -7,9 +7,9 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 import pytest
 
-from mini_infer.prefix_cache import PrefixCachingAllocator, PrefixCachingKVManager, hash_block
-from mini_infer.sampling import SamplingParams
-from mini_infer.scheduler import RunnerOutput, Scheduler, SchedulerConfig, Sequence, SeqStatus
+from mini_infer.plugins.prefix_cache import PrefixCachingAllocator, PrefixCachingKVManager, hash_block
+from mini_infer.engine.sampling import SamplingParams
+from mini_infer.engine.scheduler import RunnerOutput, Scheduler, SchedulerConfig, Sequence, SeqStatus
 
 
 class CharTok:

@@ -3,10 +3,10 @@ with the cache off, for a full hit at an exact multiple of 16, a partial tail, s
 preemption, chunks not aligned to blocks, and eviction in the middle of a run; also with a hash that always collides."""
 import random
 import pytest
-from mini_infer.engine import LLMEngine, InvalidRequest
-from mini_infer.llm import LLM, run_to_completion
-from mini_infer.prefix_cache import PrefixCachingAllocator
-from mini_infer.sampling import SamplingParams
+from mini_infer.engine.engine import LLMEngine, InvalidRequest
+from mini_infer.engine.llm import LLM, run_to_completion
+from mini_infer.plugins.prefix_cache import PrefixCachingAllocator
+from mini_infer.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
 
@@ -161,7 +161,7 @@ def test_longest_prefix_admission_keeps_outputs_and_computes_less(llm):
 
 
 def test_admission_policy_is_checked():
-    from mini_infer.engine import EngineConfig
+    from mini_infer.engine.engine import EngineConfig
     with pytest.raises(ValueError, match="unknown policy"): EngineConfig(policy="lifo")
 
 

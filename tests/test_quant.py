@@ -4,19 +4,19 @@ the engine with int8 weights."""
 import pytest, torch
 from hypothesis import given, settings, strategies as st
 
-from mini_infer.block_manager import BlockAllocator, BlockTable
-from mini_infer.engine import EngineConfig, LLMEngine
-from mini_infer.kv_cache import PagedKVCache
-from mini_infer.llm import LLM, run_to_completion
-from mini_infer.model import CausalLM, ModelConfig
-from mini_infer.paged_attention import TorchAttention
-from mini_infer.layers import GateUpLinear, LinearBase, QKVLinear
-from mini_infer.linear_kernels import linear_packed, pack_weight, linear_glu_packed, pack_glu
-from mini_infer.attention_kernels import paged_decode_kernel
-from mini_infer.quant import (Int8KVAttention, Int8Method, dequantize_int8, dequantize_kv, int8_attention_kernels, int8_kernels,
+from mini_infer.engine.block_manager import BlockAllocator, BlockTable
+from mini_infer.engine.engine import EngineConfig, LLMEngine
+from mini_infer.engine.kv_cache import PagedKVCache
+from mini_infer.engine.llm import LLM, run_to_completion
+from mini_infer.model.model import CausalLM, ModelConfig
+from mini_infer.engine.attention import TorchAttention
+from mini_infer.model.layers import GateUpLinear, LinearBase, QKVLinear
+from mini_infer.plugins.cpu.linear import linear_packed, pack_weight, linear_glu_packed, pack_glu
+from mini_infer.plugins.cpu.attention import paged_decode_kernel
+from mini_infer.plugins.quant import (Int8KVAttention, Int8Method, dequantize_int8, dequantize_kv, int8_attention_kernels, int8_kernels,
                               linear_int8, paged_decode_int8, panel_width, quantize_int8, quantize_kv, quantize_model, unpack_panels)
-from mini_infer.reference import generate
-from mini_infer.sampling import SamplingParams
+from mini_infer.engine.reference import generate
+from mini_infer.engine.sampling import SamplingParams
 
 TINY = ModelConfig(vocab_size=151, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, architecture="Qwen2ForCausalLM", attention_bias=True, max_position_embeddings=256)
@@ -191,7 +191,7 @@ def test_int8_smollm_batched_equals_alone():
 def test_int8_kv_attention_equals_float_attention_over_dequantized(inner):
     """Attention through an int8 pool equals chapter 2's float attention over a pool holding the dequantized values,
     for a step mixing decode rows and prompt chunks (one starting its sequence, one continuing)."""
-    from mini_infer.plugins import load_backend
+    from mini_infer.engine.registry import load_backend
     try: backend = load_backend(inner, "cpu", torch.float32)
     except ValueError: pytest.skip(f"the {inner} backend does not run here")
     cfg, B = TINY, 4

@@ -1,11 +1,11 @@
-"""Tests for mini_infer.sampling: exact masks and penalties against hand-written references, seeds, statistics, validation."""
+"""Tests for mini_infer.engine.sampling: exact masks and penalties against hand-written references, seeds, statistics, validation."""
 import math
 from collections import Counter
 
 import pytest
 import torch
 
-from mini_infer.sampling import (Sampler, SamplingBatch, SamplingParams, TokenHistory, TokenLogprob, apply_penalties,
+from mini_infer.engine.sampling import (Sampler, SamplingBatch, SamplingParams, TokenHistory, TokenLogprob, apply_penalties,
                                  min_p_mask, top_k_mask, top_p_mask)
 
 

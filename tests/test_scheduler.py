@@ -3,9 +3,9 @@ pool; decodes come first; preemption takes the newest request and frees its bloc
 block comes back. Property-tested over random workloads (hypothesis)."""
 from hypothesis import given, settings, strategies as st
 
-from mini_infer.block_manager import BlockAllocator
-from mini_infer.sampling import SamplingParams
-from mini_infer.scheduler import KVManager, RunnerOutput, Scheduler, SchedulerConfig, Sequence, SeqStatus
+from mini_infer.engine.block_manager import BlockAllocator
+from mini_infer.engine.sampling import SamplingParams
+from mini_infer.engine.scheduler import KVManager, RunnerOutput, Scheduler, SchedulerConfig, Sequence, SeqStatus
 
 
 class CharTok:

@@ -7,8 +7,8 @@ import pytest
 from openai import AsyncOpenAI, OpenAI, APIStatusError
 from prometheus_client.parser import text_string_to_metric_families
 
-from mini_infer.llm import LLM
-from mini_infer.sampling import SamplingParams
+from mini_infer.engine.llm import LLM
+from mini_infer.engine.sampling import SamplingParams
 
 MODEL = "smollm2-135m"
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -24,7 +24,7 @@ def _start(tmp_path_factory, **kw):
     port, logdir = _free_port(), tmp_path_factory.mktemp("server")
     args = ", ".join(f"{k}={v!r}" for k, v in dict(model=MODEL, port=port, log_level="warning", **kw).items())
     log = open(logdir / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-c", f"from mini_infer.server import serve; serve({args})"],
+    proc = subprocess.Popen([sys.executable, "-c", f"from mini_infer.serve.server import serve; serve({args})"],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "MINI_INFER_API_KEY": ""})
     url, t0 = f"http://127.0.0.1:{port}", time.time()
     while True:
@@ -307,7 +307,7 @@ def test_idle_server_does_not_spin(server):
 
 
 def test_bench_serve(server, tmp_path):
-    from mini_infer.bench_serve import run_bench_serve
+    from mini_infer.bench.serve import run_bench_serve
     s = run_bench_serve(server, None, num_prompts=4, input_len=8, output_len=4, request_rate=50.0, slo_ttft_ms=60_000,
                         save_json=str(tmp_path / "b.json"), quiet=True, ignore_eos=True)
     assert (s["completed"], s["errors"], s["timeouts"]) == (4, 0, 0) and s["mean_output_tokens"] == 4

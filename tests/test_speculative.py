@@ -4,12 +4,12 @@ chunked prefill, preemption and prefix caching; logprobs are the target's; bad c
 import random
 from collections import Counter
 import pytest, torch
-from mini_infer.engine import LLMEngine
-from mini_infer.llm import LLM, run_to_completion
-from mini_infer.model import CausalLM, ModelConfig
-from mini_infer.reference import generate
-from mini_infer.sampling import SamplingParams
-from mini_infer.speculative import (accept_probs, residual, rejection_sample, plan_guesses, expected_tokens, NgramProposer,
+from mini_infer.engine.engine import LLMEngine
+from mini_infer.engine.llm import LLM, run_to_completion
+from mini_infer.model.model import CausalLM, ModelConfig
+from mini_infer.engine.reference import generate
+from mini_infer.engine.sampling import SamplingParams
+from mini_infer.plugins.speculative import (accept_probs, residual, rejection_sample, plan_guesses, expected_tokens, NgramProposer,
                                     SpeculativeConfig)
 
 
@@ -109,7 +109,7 @@ def test_ngram_lookup():
 
 
 def test_lookup_ceiling():
-    from mini_infer.bench_spec import lookup_ceiling
+    from mini_infer.bench.spec import lookup_ceiling
     ng = NgramProposer(n_max=2, n_min=2)
     prompt = [1, 2, 3, 4, 5, 6, 7]
     assert lookup_ceiling(prompt, [1, 2, 3, 4, 5, 6, 7], ng.lookup, 8) == 7 / 3   # [1], [2], then 3..7 guessed in one step
@@ -339,7 +339,7 @@ def test_server_with_speculation(llm):
     "The real `openai` client against a server whose engine guesses: greedy answers, streamed or not, are plain decoding's; /metrics moves."
     import httpx
     from openai import OpenAI
-    from mini_infer.server import build_app, ServerThread
+    from mini_infer.serve.server import build_app, ServerThread
     spec = LLM(engine=engine(llm, speculative_config=dict(method="ngram", num_speculative_tokens=4)))
     msgs = [{"role": "user", "content": "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the dog sat on the log."}]
     want = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=40))[0].text

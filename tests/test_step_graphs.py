@@ -3,14 +3,14 @@ with `enforce_eager=True`, every step in Python: the same tokens and the same lo
 import dataclasses, warnings
 import pytest, torch
 
-from mini_infer.kernel_build import recording
-from mini_infer.linear_kernels import linear_kernels, linear_packed, pack_weight
-from mini_infer.step_graphs import GRAPH_MAX_TOKENS, StepGraph, StepGraphs, call_runner
-from mini_infer.cpu_backend import KernelOps
-from mini_infer.engine import LLMEngine
-from mini_infer.llm import run_to_completion
-from mini_infer.model import CausalLM, ModelConfig
-from mini_infer.sampling import SamplingParams
+from mini_infer.plugins.cpu.build import recording
+from mini_infer.plugins.cpu.linear import linear_kernels, linear_packed, pack_weight
+from mini_infer.plugins.cpu.replay import GRAPH_MAX_TOKENS, StepGraph, StepGraphs, call_runner
+from mini_infer.plugins.cpu.backend import KernelOps
+from mini_infer.engine.engine import LLMEngine
+from mini_infer.engine.llm import run_to_completion
+from mini_infer.model.model import CausalLM, ModelConfig
+from mini_infer.engine.sampling import SamplingParams
 from test_quant import NoText, TINY, tiny_model
 
 pytestmark = pytest.mark.skipif(linear_kernels() is None or call_runner() is None, reason="no C compiler for the CPU kernels")
@@ -119,7 +119,7 @@ def test_padded_steps_equal_python_steps_and_keep_padding_in_the_scratch_block()
     """Steps of sizes that were not recorded (17-20 decode rows, verify rows of 1 + 7 at batch 6) run
     padded up to the next recorded size; their tokens are Python's, and the padding rows write only
     the scratch block past the pool's end."""
-    from mini_infer.step_graphs import GRAPH_SIZES, scratch_block
+    from mini_infer.plugins.cpu.replay import GRAPH_SIZES, scratch_block
     model = tiny_model()
     torch.manual_seed(3)
     prompts = [torch.randint(0, 151, (n,)).tolist() for n in range(3, 23)]          # 20 requests
@@ -147,7 +147,7 @@ def test_padded_steps_equal_python_steps_and_keep_padding_in_the_scratch_block()
 
 def test_recordings_share_one_activation_area_counted_by_the_memory_plan():
     "Every recording's activations lie in one area, sized for the largest replayed step before the pool; the plan counts it."
-    from mini_infer.memory_plan import plan_memory
+    from mini_infer.engine.memory_plan import plan_memory
     model = tiny_model()
     torch.manual_seed(4)
     prompts = [torch.randint(0, 151, (n,)).tolist() for n in range(3, 23)]
@@ -171,7 +171,7 @@ def test_recordings_share_one_activation_area_counted_by_the_memory_plan():
 
 def test_verify_rows_of_eight_guesses_replay():
     "A verify row of 1 + 8 tokens is a short row (`SHORT_ROW`): its step is recorded and replayed, with Python's tokens."
-    from mini_infer.attention_kernels import SHORT_ROW
+    from mini_infer.plugins.cpu.attention import SHORT_ROW
     assert SHORT_ROW >= 9 and StepGraphs.replay_limits[1] == SHORT_ROW
     model = tiny_model()
     spec = dict(method="ngram", num_speculative_tokens=8, adaptive=False, prompt_lookup_min=1)

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from pydantic import BaseModel, Field
 
 from mini_infer import LLM
-from mini_infer.sampling import InvalidRequest, SamplingParams
-from mini_infer.server import ServerThread, build_app
-from mini_infer.structured import SCHEMA_SUITE, GrammarMasks, StructuredOutputsParams as SO
+from mini_infer.engine.sampling import InvalidRequest, SamplingParams
+from mini_infer.serve.server import ServerThread, build_app
+from mini_infer.plugins.structured import SCHEMA_SUITE, GrammarMasks, StructuredOutputsParams as SO
 
 ASK = [{"role": "user", "content": "Reply with a JSON object for a fictional person: name and age."}]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
@@ -257,7 +257,7 @@ def test_tool_result_turn_and_none(client):
 
 
 def test_auto_parses_tool_call_tags():
-    from mini_infer.structured import ToolCalls
+    from mini_infer.plugins.structured import ToolCalls
     tools = ToolCalls(None, [WEATHER], "auto")
     content, calls = tools.parse('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>')
     assert content == "Let me check." and calls[0]["function"]["name"] == "get_weather"
@@ -268,8 +268,8 @@ def test_auto_parses_tool_call_tags():
 
 
 def test_tools_rendered_by_template_or_fallback(llm):
-    from mini_infer.structured import ToolCalls
-    from mini_infer.tokenizer import Tokenizer
+    from mini_infer.plugins.structured import ToolCalls
+    from mini_infer.model.tokenizer import Tokenizer
     msgs = Q + [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
         "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
                 {"role": "tool", "content": "18C"}]

@@ -2,7 +2,7 @@
 never emitted when they are, and everything held back (a stop-string prefix, an unfinished UTF-8 character) released
 at the end."""
 import pytest
-from mini_infer.outputs import TextStream
+from mini_infer.engine.outputs import TextStream
 
 
 class CharTok:

@@ -2,8 +2,8 @@
 import jinja2
 import pytest
 from hypothesis import given, settings, strategies as st
-from mini_infer.loader import bundled_gguf_path
-from mini_infer.tokenizer import Tokenizer, IncrementalDetokenizer, compile_chat_template
+from mini_infer.model.loader import bundled_gguf_path
+from mini_infer.model.tokenizer import Tokenizer, IncrementalDetokenizer, compile_chat_template
 
 CORPUS = [
     "Hello, world!",

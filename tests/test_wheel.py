@@ -29,7 +29,7 @@ def test_twine_accepts_the_wheel(wheel):
     r = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", str(wheel)], capture_output=True, text=True)
     assert r.returncode == 0 and "PASSED" in r.stdout, r.stdout + r.stderr
     names = zipfile.ZipFile(wheel).namelist()
-    assert wheel.name.startswith("mini_infer_course-") and "mini_infer/kernel_build.py" in names
+    assert wheel.name.startswith("mini_infer_course-") and "mini_infer/plugins/cpu/build.py" in names
 
 
 def test_quickstart_from_the_wheel_offline(wheel, tmp_path):

@@ -1,0 +1,2 @@
+"""What the chapters teach with, not the engine: the exercise harness, each chapter's
+checks, teaching helpers and figures. The engine never imports it."""
