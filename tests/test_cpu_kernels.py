@@ -10,6 +10,7 @@ from mini_infer.plugins.cpu.linear import (linear_kernels, pack_weight, pack_glu
                                        BF16_MIN_ROWS, bf16_kernels, pack_bf16, linear_bf16)
 from mini_infer.plugins.cpu.attention import CPUAttention, paged_decode_kernel, paged_prefill_kernel, pool_zeros
 from mini_infer.plugins.cpu.backend import CPUBackend, KernelOps
+from mini_infer.engine.engine import EngineConfig
 from mini_infer.model.layers import LinearBase, ColumnLinear, GateUpLinear, LinearMethod
 from mini_infer.model.model import RotaryEmbedding, ModelConfig, TORCH_OPS
 from mini_infer.engine.memory_plan import weights_bytes
@@ -36,7 +37,7 @@ CHECK = """
     import torch
     from mini_infer.plugins.cpu.linear import linear_kernels
     from mini_infer.plugins.cpu.attention import cpu_attention_kernels
-    from mini_infer.engine.registry import load_backend
+    from mini_infer.engine.backend import load_backend
     print("kernels", linear_kernels() is not None, cpu_attention_kernels() is not None)
     print("auto backend", type(load_backend("auto", "cpu", torch.float32)).__name__)
 """
@@ -87,7 +88,7 @@ def test_kernel_model_matches_transformers(tmp_path, arch, heads, kv, tied):
     model = load_safetensors(tmp_path, "cpu", torch.float32)
     ids = torch.randint(0, 101, (23,), generator=torch.Generator().manual_seed(1))
     plain, dense_bytes = our_logits(model, ids), weights_bytes(model)
-    CPUBackend().prepare(model, enforce_eager=True)
+    CPUBackend().prepare(model, EngineConfig(enforce_eager=True))
     layers = model.linear_layers()
     L = model.config.num_hidden_layers
     assert all(isinstance(m.method, PackedMethod) for m in layers) and len(layers) == 4 * L + 1   # and the LM head

@@ -191,7 +191,7 @@ def test_int8_smollm_batched_equals_alone():
 def test_int8_kv_attention_equals_float_attention_over_dequantized(inner):
     """Attention through an int8 pool equals chapter 2's float attention over a pool holding the dequantized values,
     for a step mixing decode rows and prompt chunks (one starting its sequence, one continuing)."""
-    from mini_infer.engine.registry import load_backend
+    from mini_infer.engine.backend import load_backend
     try: backend = load_backend(inner, "cpu", torch.float32)
     except ValueError: pytest.skip(f"the {inner} backend does not run here")
     cfg, B = TINY, 4

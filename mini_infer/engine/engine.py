@@ -14,18 +14,13 @@ from .sampling import SamplingParams, InvalidRequest
 from .outputs import encode_prompt
 from .memory_plan import plan_memory, weights_bytes
 from .kv_cache import PagedKVCache
-from .scheduler import Sequence, Scheduler, SchedulerConfig, StepOutput, step_output
-from .runner import ModelRunner
-from mini_infer.engine.registry import (
-    QUANTIZATIONS,
-    KV_CACHE_DTYPES,
-    KV_MANAGERS,
-    POLICIES,
-    SPECULATIVE,
-    STRUCTURED_OUTPUTS,
-    load_plugin,
-    load_backend,
+from .contracts import StepOutput
+from mini_infer.engine.scheduler import (
+    NoConstraints, NoProposer, Scheduler, SchedulerConfig, Sequence,
 )
+from .runner import ModelRunner
+from .backend import load_backend
+from .registry import lookup, names
 
 # %% ../../nbs/03_continuous_batching.ipynb #5f516c11
 @dataclass
@@ -48,6 +43,8 @@ class EngineConfig(SchedulerConfig):
         None  # None (the weights as loaded) or "int8": weights in int8 (chapter 8)
     )
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8" (chapter 8)
+    # "auto": grammars (chapter 10) where installed, for the requests that ask; None: none
+    structured_outputs: str | None = "auto"
     speculative_config: dict | None = (
         None  # e.g. {"method": "ngram", "num_speculative_tokens": 4} (chapter 5)
     )
@@ -60,21 +57,19 @@ class EngineConfig(SchedulerConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"unsupported quantization {self.quantization!r}; supported: None, "
-                f"{', '.join(QUANTIZATIONS)}"
-            )
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; supported: auto, "
-                f"{', '.join(KV_CACHE_DTYPES)}"
-            )
+        # a name no plug-in registered fails here, naming the choices
+        if self.quantization is not None:
+            lookup("linear_method", self.quantization)
+        if self.kv_cache_dtype != "auto":
+            lookup("attention", self.kv_cache_dtype)
+        if self.structured_outputs not in (None, "auto"):
+            lookup("constraints", self.structured_outputs)
+        if self.backend != "auto":
+            lookup("backend", self.backend)
         for k in ("tensor_parallel_size", "data_parallel_size"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
+        lookup("policy", self.policy)
         if self.policy != "fcfs" and not self.enable_prefix_caching:
             raise ValueError(f"the {self.policy!r} policy needs the prefix cache")
 
@@ -100,9 +95,7 @@ class DraftContext:
 
     model: CausalLM
     tokenizer: Tokenizer
-    prepare: (
-        object  # prepare(model, quantization) -> what runs a step of it, on the engine's backend
-    )
+    prepare: object  # prepare(model, quantization) -> what runs a step of it, on the backend
     attention: object  # a new attention backend, for a cache of its own
     num_blocks: int
     block_size: int
@@ -124,10 +117,9 @@ class LLMEngine:
         self.model, run_step = model, self._prepare(model, cfg.quantization)
         attention = self.backend.attention()
         if cfg.kv_cache_dtype != "auto":
-            attention = load_plugin(KV_CACHE_DTYPES[cfg.kv_cache_dtype])(attention)
+            attention = lookup("attention", cfg.kv_cache_dtype)(attention)
         # memory the step runner holds for its steps, made now and counted by the plan (chapter 7c)
-        reserve = getattr(run_step, "reserve", None)
-        activations = reserve(attention, cfg.block_size) if reserve else 0
+        activations = self.backend.reserve(run_step, attention, cfg.block_size)
         plan = plan_memory(
             model.config,
             model.device,
@@ -149,9 +141,9 @@ class LLMEngine:
         self.cache = PagedKVCache(
             model.config, num_blocks, cfg.block_size, model.device, model.dtype, attention
         )
-        kv_manager = KV_MANAGERS["prefix_caching" if cfg.enable_prefix_caching else "plain"]
-        self.kv = load_plugin(kv_manager)(num_blocks, cfg.block_size)
-        proposer = sampler = None
+        kv_manager = "prefix_caching" if cfg.enable_prefix_caching else "plain"
+        self.kv = lookup("kv_manager", kv_manager)(num_blocks, cfg.block_size)
+        proposer = NoProposer()
         if cfg.speculative_config:
             ctx = DraftContext(
                 model,
@@ -163,13 +155,13 @@ class LLMEngine:
                 self.backend.replay_limits,
                 self.memory.weights_bytes,
             )
-            proposer, sampler = load_plugin(SPECULATIVE)(cfg.speculative_config, ctx)
-        constraints = load_plugin(STRUCTURED_OUTPUTS)(tokenizer, model.config.vocab_size)
+            method = cfg.speculative_config.get("method", "ngram")
+            proposer = lookup("proposer", method)(cfg.speculative_config, ctx)
         self.scheduler = Scheduler(
-            cfg, self.kv, proposer, load_plugin(POLICIES[cfg.policy]), constraints
+            cfg, self.kv, proposer, lookup("policy", cfg.policy), self._constraints()
         )
         self.runner = ModelRunner(
-            run_step, self.cache, model.config.vocab_size, model.device, sampler
+            run_step, self.cache, model.config.vocab_size, model.device, proposer.sampler
         )
         self.max_model_len = min(
             cfg.max_model_len or model.config.max_position_embeddings, num_blocks * cfg.block_size
@@ -181,8 +173,17 @@ class LLMEngine:
     def _prepare(self, model: CausalLM, quantization: str | None):
         "Quantize `model` in place (chapter 8), set it up for the backend; what runs a step of it."
         if quantization:
-            load_plugin(QUANTIZATIONS[quantization])(model)
-        return self.backend.prepare(model, self.config.enforce_eager)
+            lookup("linear_method", quantization)(model, self.config)
+        return self.backend.prepare(model, self.config)
+
+    def _constraints(self):
+        "What masks the logits of requests that must follow a grammar (chapter 10), if any."
+        name = self.config.structured_outputs
+        if name == "auto":
+            name = next(iter(names("constraints")), None)
+        if name is None:
+            return NoConstraints()
+        return lookup("constraints", name)(self.tokenizer, self.model.config.vocab_size)
 
     @property
     def seqs(self) -> dict[str, Sequence]:
@@ -235,12 +236,9 @@ class LLMEngine:
 
     def abort(self, request_id: str):
         "Cancel a request; its blocks are freed now. Unknown or finished ids are ignored."
-        seq = self.seqs.get(request_id)
-        if seq is None:
-            return
-        seq.finish_reason = "abort"
-        self.scheduler.finish(seq)
-        self.pending.append(step_output(seq, [], "", None))
+        out = self.scheduler.abort(request_id)
+        if out is not None:
+            self.pending.append(out)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.pending)

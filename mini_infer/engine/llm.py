@@ -9,7 +9,7 @@ from .sampling import SamplingParams
 from ..model.loader import load_model
 from .outputs import RequestOutput, as_prompt_list, as_params_list
 from .engine import LLMEngine, EngineConfig
-from .registry import DATA_PARALLEL, TENSOR_PARALLEL, load_plugin
+from .registry import lookup
 
 # %% ../../nbs/03_continuous_batching.ipynb #d1840d60
 def run_to_completion(
@@ -63,10 +63,10 @@ class LLM:
     ):
         if engine is None:
             config = EngineConfig(**engine_kwargs)
-            if config.data_parallel_size > 1:  # replicas, each a whole engine
-                engine = load_plugin(DATA_PARALLEL)(model, device, dtype, config)
+            if config.data_parallel_size > 1:  # replicas, each a whole engine (chapter 9)
+                engine = lookup("executor", "data_parallel")(model, device, dtype, config)
             elif config.tensor_parallel_size > 1:  # one process per rank, each loads its slices
-                engine = load_plugin(TENSOR_PARALLEL)(model, device, dtype, config)
+                engine = lookup("executor", "tensor_parallel")(model, device, dtype, config)
             else:
                 engine = LLMEngine(*load_model(model, device=device, dtype=dtype), config)
         elif model is not None or engine_kwargs:

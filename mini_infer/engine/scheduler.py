@@ -6,9 +6,7 @@ Docs: https://mini-infer.github.io/mini-infer/continuous_batching.html.md"""
 
 # %% auto #0
 __all__ = ['SeqStatus', 'EngineRequestOutput', 'slice_parts', 'Sequence', 'KVManager', 'NoConstraints', 'NoProposer',
-           'SchedulerConfig', 'NewRequest', 'ScheduledRequest', 'SchedulerOutput', 'RunnerOutput', 'StepOutput',
-           'step_output', 'fcfs', 'SchedulerQueues', 'RequestMoves', 'RunningPlanner', 'prompt_chunk', 'StepPlanner',
-           'PlanWriter', 'append_tokens', 'Scheduler']
+           'SchedulerConfig', 'step_output', 'fcfs', 'Scheduler', 'prompt_chunk', 'append_tokens']
 
 # %% ../../nbs/03_continuous_batching.ipynb #53c0bf08
 import enum
@@ -16,10 +14,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 # %% ../../nbs/03_continuous_batching.ipynb #88cff98a
+from fastcore.basics import patch
 from ..model.tokenizer import Tokenizer
 from .sampling import SamplingParams, TokenLogprob
 from .block_manager import BlockAllocator, BlockTable
 from .outputs import Request, RequestOutput
+from mini_infer.engine.contracts import (
+    NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput, StepOutput,
+)
+from .registry import register
 
 # %% ../../nbs/03_continuous_batching.ipynb #f9280f77
 class SeqStatus(enum.Enum):
@@ -89,10 +92,11 @@ class Sequence(Request):
         return EngineRequestOutput(**out.__dict__, num_cached_tokens=self.num_cached_tokens)
 
 # %% ../../nbs/03_continuous_batching.ipynb #e1b2c3d4
+@register("kv_manager", "plain")
 class KVManager:
     """Which blocks of the pool each sequence holds, as the scheduler asks for them. Chapter 4's
-    prefix cache is a KV manager with the same four calls that also shares blocks between
-    requests."""
+    prefix cache is another `KVManager` (the contract in `engine.contracts`) that also shares
+    blocks between requests."""
 
     def __init__(self, num_blocks: int, block_size: int):
         self.allocator, self.block_size = BlockAllocator(num_blocks), block_size
@@ -126,8 +130,7 @@ class KVManager:
 
 # %% ../../nbs/03_continuous_batching.ipynb #f03b0001
 class NoConstraints:
-    """Constrains nothing: the plain engine. Chapter 10 plugs in grammars (structured outputs)
-    with the same five calls."""
+    "Constrains nothing: the plain engine. Chapter 10 registers grammars (structured outputs)."
 
     def add(self, seq: Sequence):
         "A new request: check (and compile) what it must follow; raise `InvalidRequest` if bad."
@@ -138,19 +141,30 @@ class NoConstraints:
     def accept(self, seq: Sequence, token_id: int):
         "A token was appended to the sequence."
 
-    def check_guesses(self, seqs: list[Sequence]):
-        "Drop the guesses the sequences' constraints forbid."
+    def allowed_guesses(self, seq: Sequence, guesses: list[int]) -> int:
+        "How many of the leading `guesses` the sequence's constraints allow: all."
+        return len(guesses)
 
     def free(self, seq: Sequence):
         "The sequence finished."
 
+    @staticmethod
+    def from_request(req):
+        "What an OpenAI request asks to be enforced: nothing here."
+
+    @staticmethod
+    def tool_calls(tokenizer, req):
+        "What renders, enforces and parses a chat request's tool calls: nothing here."
+
 
 class NoProposer:
-    """Guesses nothing: the plain engine. Chapter 5's speculative decoding plugs in a proposer
-    that does."""
+    "Guesses nothing: the plain engine. Chapter 5 registers proposers that do."
 
-    def propose(self, seqs: list[Sequence]):
-        "Set `spec_token_ids` of these decoding sequences: guesses of their next tokens."
+    sampler = None  # the runner keeps its own
+
+    def propose(self, seqs: list[Sequence]) -> list[list[int]]:
+        "Guesses of the next tokens of each of these decoding sequences: none."
+        return [[] for _ in seqs]
 
     def draft_probs(self, seq: Sequence):
         """The distributions the sequence's guesses were drawn from, [guesses, V], or None if not
@@ -185,70 +199,7 @@ class SchedulerConfig:
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
 
-# %% ../../nbs/03_continuous_batching.ipynb #f03b0c04
-@dataclass
-class NewRequest:
-    "A request the runner has not seen: what it needs to sample for it."
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-
-
-@dataclass
-class ScheduledRequest:
-    "One sequence's part of a step, as plain data: all the runner needs of it."
-
-    request_id: str
-    # this step's tokens: a prompt chunk, or the last token and the guesses after it
-    token_ids: list[int]
-    start: int  # the position of the first
-    block_ids: list[int]  # the sequence's blocks
-    num_logits: int  # logits rows wanted: 0 in the middle of a prompt, else 1 + len(guesses)
-    # the last len(guesses) tokens, to verify (chapter 5)
-    guesses: list[int] = field(default_factory=list)
-    # the distributions the guesses were drawn from, [len(guesses), V], or None
-    draft_probs: object = None
-
-# %% ../../nbs/03_continuous_batching.ipynb #a7c1d004
-@dataclass
-class SchedulerOutput:
-    """A step's plan: the work (decodes first), the requests the runner meets for the first time
-    or no longer needs."""
-
-    scheduled: list[ScheduledRequest]
-    new_requests: list[NewRequest]
-    finished_ids: list[str]  # finished or aborted since the last step
-    preempted_ids: list[str]
-    # called on the logits rows before sampling (chapter 10: grammar masks), or None
-    logits_processor: object = None
-
-
-@dataclass
-class RunnerOutput:
-    """For each scheduled request that wanted logits, in order: its new tokens (kept guesses,
-    then one more), logprobs."""
-
-    request_ids: list[str]
-    token_ids: list[list[int]]
-    logprobs: list[list[TokenLogprob | None]]
-
 # %% ../../nbs/03_continuous_batching.ipynb #f03b0012
-@dataclass
-class StepOutput:
-    "What one request produced in one step."
-
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int = 0  # prompt tokens whose K/V were found computed (chapter 4)
-
-
 def step_output(seq: Sequence, new: list[int], delta: str, logprobs: list) -> StepOutput:
     "What `seq` produced: `new` tokens, their text `delta` and logprobs, and its state now."
     return StepOutput(
@@ -264,13 +215,17 @@ def step_output(seq: Sequence, new: list[int], delta: str, logprobs: list) -> St
     )
 
 # %% ../../nbs/03_continuous_batching.ipynb #b242088c
+@register("policy", "fcfs")
 def fcfs(waiting: deque, kv: KVManager) -> deque:
     "First come, first served (the queue already holds lower priorities first): the order as it is."
     return waiting
 
 # %% ../../nbs/03_continuous_batching.ipynb #b242088d
-class SchedulerQueues:
-    "The requests: waiting (in order), running (oldest first), new to the runner, finished."
+class Scheduler:
+    """Continuous batching with chunked prefill and preemption by recompute. `schedule` plans a
+    step; `update`, once the runner has run it, is the only code that changes a sequence after a
+    step. Holds the requests: waiting (in order), running (oldest first), new to the runner,
+    finished."""
 
     def __init__(
         self, config: SchedulerConfig, kv: KVManager, proposer=None, policy=fcfs, constraints=None
@@ -302,72 +257,74 @@ class SchedulerQueues:
         )
 
 # %% ../../nbs/03_continuous_batching.ipynb #a7c1d022
-class RequestMoves(SchedulerQueues):
-    "A request moves between the queues: preempted, finished; its tokens scheduled."
+@patch
+def _preempt(self: Scheduler, seq: Sequence):
+    "Roll the victim back to nothing computed, blocks freed, to the front of the queue."
+    seq.truncate(0, self.kv)
+    seq.spec_token_ids.clear()
+    self.proposer.free(seq)
+    seq.status, seq.num_preemptions = SeqStatus.PREEMPTED, seq.num_preemptions + 1
+    self.running.remove(seq)
+    self.waiting.appendleft(seq)
+    self.num_preemptions += 1
 
-    def _preempt(self, seq: Sequence):
-        "Roll the victim back to nothing computed, blocks freed, to the front of the queue."
-        seq.truncate(0, self.kv)
-        seq.spec_token_ids.clear()
-        self.proposer.free(seq)
-        seq.status, seq.num_preemptions = SeqStatus.PREEMPTED, seq.num_preemptions + 1
-        self.running.remove(seq)
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
-    def _take_computed(self, seq: Sequence) -> int:
-        "Count the K/V the KV manager already holds for the sequence's next tokens; how many."
-        hits = self.kv.computed_tokens(seq)
-        seq.num_computed_tokens += hits
-        return hits
+@patch
+def _take_computed(self: Scheduler, seq: Sequence) -> int:
+    "Count the K/V the KV manager already holds for the sequence's next tokens; how many."
+    hits = self.kv.computed_tokens(seq)
+    seq.num_computed_tokens += hits
+    return hits
 
-    def _start(self, seq: Sequence, n: int, hits: int, work: list):
-        "Schedule `n` tokens of `seq`; those found computed count as cached (unless recomputed)."
-        if not seq.num_preemptions:
-            seq.num_cached_tokens += hits
-        work.append((seq, n))
 
-    def finish(self, seq: Sequence):
-        "Done or aborted: its blocks go back to the pool at once, and the runner forgets it."
-        seq.status = SeqStatus.FINISHED
-        for part in (self.kv, self.proposer, self.constraints):
-            part.free(seq)
-        for queue in (self.running, self.waiting):
-            if seq in queue:
-                queue.remove(seq)
-        del self.requests[seq.request_id]
-        if seq in self._unseen:
-            self._unseen.remove(seq)
-        else:
-            self._finished.append(seq.request_id)
+@patch
+def _start(self: Scheduler, seq: Sequence, n: int, hits: int, work: list):
+    "Schedule `n` tokens of `seq`; those found computed count as cached (unless recomputed)."
+    if not seq.num_preemptions:
+        seq.num_cached_tokens += hits
+    work.append((seq, n))
+
+
+@patch
+def finish(self: Scheduler, seq: Sequence):
+    "Done or aborted: its blocks go back to the pool at once, and the runner forgets it."
+    seq.status = SeqStatus.FINISHED
+    for part in (self.kv, self.proposer, self.constraints):
+        part.free(seq)
+    for queue in (self.running, self.waiting):
+        if seq in queue:
+            queue.remove(seq)
+    del self.requests[seq.request_id]
+    if seq in self._unseen:
+        self._unseen.remove(seq)
+    else:
+        self._finished.append(seq.request_id)
 
 # %% ../../nbs/03_continuous_batching.ipynb #a7c1d012
-class RunningPlanner(RequestMoves):
-    "Part 1 of a step: the running requests, oldest first, each taking the blocks it needs."
-
-    def _schedule_running(self, budget: int, work: list, preempted: list) -> int:
-        "Schedule the running requests; one short of blocks preempts the newest. The budget left."
-        for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            if budget <= 0:
+@patch
+def _schedule_running(self: Scheduler, budget: int, work: list, preempted: list) -> int:
+    "Schedule the running requests; one short of blocks preempts the newest. The budget left."
+    for seq in list(self.running):
+        if seq.status is not SeqStatus.RUNNING:
+            continue  # preempted earlier in this loop
+        if budget <= 0:
+            break
+        if seq.is_decoding:
+            del seq.spec_token_ids[budget - 1 :]  # the guesses that fit the budget
+            hits, want, guesses = 0, 1, len(seq.spec_token_ids)
+        else:
+            hits, guesses = self._take_computed(seq), 0
+            want = min(seq.num_pending, self.config.max_prefill_chunk, budget)
+        while (n := self.kv.allocate_slots(seq, want, guesses)) is None:
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
                 break
-            if seq.is_decoding:
-                del seq.spec_token_ids[budget - 1 :]  # the guesses that fit the budget
-                hits, want, guesses = 0, 1, len(seq.spec_token_ids)
-            else:
-                hits, guesses = self._take_computed(seq), 0
-                want = min(seq.num_pending, self.config.max_prefill_chunk, budget)
-            while (n := self.kv.allocate_slots(seq, want, guesses)) is None:
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is SeqStatus.RUNNING and n:
-                self._start(seq, n + guesses, hits, work)
-                budget -= n + guesses
-        return budget
+        if seq.status is SeqStatus.RUNNING and n:
+            self._start(seq, n + guesses, hits, work)
+            budget -= n + guesses
+    return budget
 
 # %% ../../nbs/03_continuous_batching.ipynb #a7c1d014
 def prompt_chunk(seq: Sequence, budget: int, cfg: SchedulerConfig, work: list) -> int:
@@ -382,69 +339,65 @@ def prompt_chunk(seq: Sequence, budget: int, cfg: SchedulerConfig, work: list) -
 
 
 # %% ../../nbs/03_continuous_batching.ipynb #a7c1d016
-class StepPlanner(RunningPlanner):
-    "Part 2 of a step: the waiting requests, in the policy's order, while budget, seats and blocks last."
+@patch
+def _admit_waiting(self: Scheduler, budget: int, work: list, preempted: list):
+    cfg = self.config
+    self.waiting = self.policy(self.waiting, self.kv)
+    for seq in list(self.waiting):
+        if budget <= 0 or len(self.running) >= cfg.max_num_seqs or preempted:
+            break
+        hits = self._take_computed(seq)
+        n = prompt_chunk(seq, budget, cfg, work)
+        granted = self.kv.allocate_slots(seq, n) if n else None
+        if granted and granted < n and not cfg.enable_chunked_prefill:
+            granted = 0  # without chunked prefill a prompt runs whole, or waits
+        if not granted:
+            seq.truncate(0, self.kv)  # give back what it took
+            if granted is None:
+                break  # out of budget or blocks: the requests behind it wait too
+            # the KV manager asked it to wait (chapter 4: for a block computed in this step)
+            continue
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        self._start(seq, granted, hits, work)
+        budget -= granted
 
-    def _admit_waiting(self, budget: int, work: list, preempted: list):
-        cfg = self.config
-        self.waiting = self.policy(self.waiting, self.kv)
-        for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= cfg.max_num_seqs or preempted:
-                break
-            hits = self._take_computed(seq)
-            n = prompt_chunk(seq, budget, cfg, work)
-            granted = self.kv.allocate_slots(seq, n) if n else None
-            if granted and granted < n and not cfg.enable_chunked_prefill:
-                granted = 0  # without chunked prefill a prompt runs whole, or waits
-            if not granted:
-                seq.truncate(0, self.kv)  # give back what it took
-                if granted is None:
-                    break  # out of budget or blocks: the requests behind it wait too
-                # the KV manager asked it to wait (chapter 4: for a block computed in this step)
-                continue
-            self.waiting.remove(seq)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            self._start(seq, granted, hits, work)
-            budget -= granted
 
-    def schedule(self) -> SchedulerOutput:
-        """The next step: running requests first (decodes, then prompt chunks), then waiting
-        ones, within the limits."""
-        work, preempted = [], []
-        budget = self._schedule_running(self.config.max_num_batched_tokens, work, preempted)
-        self._admit_waiting(budget, work, preempted)
-        if not (work or preempted) and self.waiting and not self.running:
-            raise RuntimeError(
-                f"the scheduler cannot start any of the {len(self.waiting)} waiting requests"
-            )
-        return self._output(sorted(work, key=lambda w: not w[0].is_decoding), preempted)
-
+@patch
+def schedule(self: Scheduler) -> SchedulerOutput:
+    """The next step: running requests first (decodes, then prompt chunks), then waiting
+    ones, within the limits."""
+    work, preempted = [], []
+    budget = self._schedule_running(self.config.max_num_batched_tokens, work, preempted)
+    self._admit_waiting(budget, work, preempted)
+    if not (work or preempted) and self.waiting and not self.running:
+        raise RuntimeError(
+            f"the scheduler cannot start any of the {len(self.waiting)} waiting requests"
+        )
+    return self._output(sorted(work, key=lambda w: not w[0].is_decoding), preempted)
 
 # %% ../../nbs/03_continuous_batching.ipynb #a7c1d018
-class PlanWriter(StepPlanner):
+@patch
+def _output(self: Scheduler, work: list[tuple[Sequence, int]], preempted: list[Sequence]) -> SchedulerOutput:
     "The plan as plain data, for a runner that never sees a `Sequence`."
-
-    def _output(self, work: list[tuple[Sequence, int]], preempted: list[Sequence]) -> SchedulerOutput:
-        "The plan as plain data, for a runner that never sees a `Sequence`."
-        scheduled = []
-        for seq, n in work:
-            start = seq.num_computed_tokens
-            # the row reaches the sequence's last known token
-            wants = start + n == seq.num_tokens_with_spec
-            guesses = seq.spec_token_ids if wants else []
-            probs = self.proposer.draft_probs(seq) if guesses else None
-            scheduled.append(ScheduledRequest(
-                seq.request_id, seq.token_slice(start, n), start, seq.block_table.blocks,
-                1 + len(guesses) if wants else 0, list(guesses), probs,
-            ))
-        new = [NewRequest(s.request_id, s.prompt_ids, s.params) for s in self._unseen]
-        rows = [(self.requests[r.request_id], r.guesses) for r in scheduled if r.num_logits]
-        out = SchedulerOutput(scheduled, new, self._finished, [s.request_id for s in preempted],
-                              self.constraints.logits_processor(rows))
-        self._unseen, self._finished = [], []
-        return out
-
+    scheduled = []
+    for seq, n in work:
+        start = seq.num_computed_tokens
+        # the row reaches the sequence's last known token
+        wants = start + n == seq.num_tokens_with_spec
+        guesses = seq.spec_token_ids if wants else []
+        probs = self.proposer.draft_probs(seq) if guesses else None
+        scheduled.append(ScheduledRequest(
+            seq.request_id, seq.token_slice(start, n), start, seq.block_table.blocks,
+            1 + len(guesses) if wants else 0, list(guesses), probs,
+        ))
+    new = [NewRequest(s.request_id, s.prompt_ids, s.params) for s in self._unseen]
+    rows = [(self.requests[r.request_id], r.guesses) for r in scheduled if r.num_logits]
+    out = SchedulerOutput(scheduled, new, self._finished, [s.request_id for s in preempted],
+                          self.constraints.logits_processor(rows))
+    self._unseen, self._finished = [], []
+    return out
 
 # %% ../../nbs/03_continuous_batching.ipynb #f03b0c01
 def append_tokens(seq: Sequence, tokens: list[int], logprobs: list, constraints) -> tuple[list[int], str]:
@@ -459,41 +412,50 @@ def append_tokens(seq: Sequence, tokens: list[int], logprobs: list, constraints)
     return new, delta
 
 # %% ../../nbs/03_continuous_batching.ipynb #a7c1d020
-class Scheduler(PlanWriter):
-    """Continuous batching with chunked prefill and preemption by recompute. `schedule` plans a
-    step; `update`, once the runner has run it, is the only code that changes a sequence after a
-    step."""
+@patch
+def update(self: Scheduler, out: SchedulerOutput, result: RunnerOutput) -> list[StepOutput]:
+    """After the runner ran `out`: count the tokens computed, share full blocks, keep the
+    guesses that were right and roll back the others, append the new tokens (stop checks,
+    text), free finished requests, and ask the proposer for the next step's guesses (kept as
+    far as the constraints allow). What each request produced."""
+    new_tokens = dict(zip(result.request_ids, zip(result.token_ids, result.logprobs)))
+    outputs = []
+    for row in out.scheduled:
+        seq = self.requests[row.request_id]
+        seq.num_computed_tokens += len(row.token_ids)
+        self.kv.cache_blocks(seq)
+        if row.request_id not in new_tokens:
+            continue  # in the middle of its prompt
+        tokens, logprobs = new_tokens[row.request_id]
+        if row.guesses:
+            # the K/V of rejected guesses go
+            seq.truncate(seq.num_tokens + len(tokens) - 1, self.kv)
+            self.proposer.verified(seq, len(tokens) - 1, len(row.guesses))
+        seq.spec_token_ids = []
+        outputs.append(self._append(seq, tokens, logprobs))
+    decoding = [s for s in self.running if s.is_decoding]
+    for seq, guesses in zip(decoding, self.proposer.propose(decoding)):
+        seq.spec_token_ids = guesses[: self.constraints.allowed_guesses(seq, guesses)]
+    return outputs
 
-    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[StepOutput]:
-        """After the runner ran `out`: count the tokens computed, share full blocks, keep the
-        guesses that were right and roll back the others, append the new tokens (stop checks,
-        text), free finished requests, and ask the proposer for the next step's guesses. What
-        each request produced."""
-        new_tokens = dict(zip(result.request_ids, zip(result.token_ids, result.logprobs)))
-        outputs = []
-        for row in out.scheduled:
-            seq = self.requests[row.request_id]
-            seq.num_computed_tokens += len(row.token_ids)
-            self.kv.cache_blocks(seq)
-            if row.request_id not in new_tokens:
-                continue  # in the middle of its prompt
-            tokens, logprobs = new_tokens[row.request_id]
-            if row.guesses:
-                # the K/V of rejected guesses go
-                seq.truncate(seq.num_tokens + len(tokens) - 1, self.kv)
-                self.proposer.verified(seq, len(tokens) - 1, len(row.guesses))
-            seq.spec_token_ids = []
-            outputs.append(self._append(seq, tokens, logprobs))
-        decoding = [s for s in self.running if s.is_decoding]
-        self.proposer.propose(decoding)
-        self.constraints.check_guesses(decoding)
-        return outputs
 
-    def _append(self, seq: Sequence, tokens: list[int], logprobs: list) -> StepOutput:
-        """Append `tokens` to `seq` until one ends it (then its blocks are released); what the
-        request produced in this step."""
-        new, delta = append_tokens(seq, tokens, logprobs, self.constraints)
-        if seq.finish_reason:
-            self.finish(seq)
-        return step_output(seq, new, delta, logprobs[: len(new)])
+@patch
+def _append(self: Scheduler, seq: Sequence, tokens: list[int], logprobs: list) -> StepOutput:
+    """Append `tokens` to `seq` until one ends it (then its blocks are released); what the
+    request produced in this step."""
+    new, delta = append_tokens(seq, tokens, logprobs, self.constraints)
+    if seq.finish_reason:
+        self.finish(seq)
+    return step_output(seq, new, delta, logprobs[: len(new)])
 
+
+
+@patch
+def abort(self: Scheduler, request_id: str) -> StepOutput | None:
+    "Cancel a request: it finishes now, its blocks freed; what to report (None: unknown id)."
+    seq = self.requests.get(request_id)
+    if seq is None:
+        return None
+    seq.finish_reason = "abort"
+    self.finish(seq)
+    return step_output(seq, [], "", None)

@@ -27,7 +27,8 @@ from ..engine.engine import LLMEngine, EngineConfig
 from ..engine.runner import ModelRunner
 from ..engine.sampling import SamplingParams, InvalidRequest
 from ..engine.outputs import encode_prompt
-from ..serve.async_engine import EngineDead
+from ..engine.contracts import EngineDead
+from ..engine.registry import register
 
 # %% ../../nbs/09_scaling_out.ipynb #8e4bf7fb
 def rank_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
@@ -275,6 +276,7 @@ class TensorParallelRunner(ModelRunner):
             raise
 
 # %% ../../nbs/09_scaling_out.ipynb #f79ef908
+@register("executor", "tensor_parallel")
 class TensorParallelEngine(LLMEngine):
     """`LLMEngine` over `tensor_parallel_size` processes: this one is rank 0 (it schedules,
     samples and holds its slices), the others are workers; or over group `group` of `workers`
@@ -511,6 +513,7 @@ class Replicas:
             e.close()
 
 # %% ../../nbs/09_scaling_out.ipynb #41ac2851
+@register("executor", "data_parallel")
 class DataParallelEngine(Replicas):
     """The replicas behind one engine's interface: `router` picks each request's replica (prefix
     affinity by default); a step steps every replica that has work, in threads, and returns all

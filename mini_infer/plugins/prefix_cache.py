@@ -17,6 +17,7 @@ from dataclasses import dataclass
 # %% ../../nbs/04_prefix_cache.ipynb #7be5e4bc
 from ..engine.block_manager import BlockAllocator
 from ..engine.scheduler import Sequence, KVManager
+from ..engine.registry import register
 
 # %% ../../nbs/04_prefix_cache.ipynb #1e1d422a
 def hash_block(parent: bytes | None, token_ids, extra_keys: tuple = ()) -> bytes:
@@ -240,6 +241,7 @@ class PrefixStepKVManager(PrefixLookupKVManager):
         return num_tokens
 
 # %% ../../nbs/04_prefix_cache.ipynb #65ea1583
+@register("kv_manager", "prefix_caching")
 class PrefixCachingKVManager(PrefixStepKVManager):
     """Chapter 3's KV manager with a prefix cache: a prompt starts after its longest cached
     prefix, the blocks a step fills with final tokens are shared at once, and a block is computed
@@ -280,6 +282,7 @@ class PrefixCachingKVManager(PrefixStepKVManager):
         }
 
 # %% ../../nbs/04_prefix_cache.ipynb #f04b0001
+@register("policy", "longest_prefix")
 def longest_prefix_first(waiting: deque, kv: PrefixCachingKVManager) -> deque:
     """The waiting queue with requests being recomputed first, then by priority, then the longest
     cached prefix first: they compute the least to start."""

@@ -23,6 +23,7 @@ from ..engine.attention import AttentionBackend, StepInputs, TorchAttention
 from .cpu.build import SIMD_C, KernelLibrary, load_library
 from .cpu.linear import TILES_C, linear_kernels, pack_weight
 from .cpu.attention import PAGED_DECODE_C, SHORT_ROW, CPUAttention, KernelPlan
+from ..engine.registry import register
 
 # %% ../../nbs/08_quantization.ipynb #a651a358
 def quantize_int8(
@@ -137,7 +138,8 @@ class Int8Method(Int8Weights):
         return super().apply_glu(layer, x, y)
 
 # %% ../../nbs/08_quantization.ipynb #cd08769d
-def quantize_model(model: CausalLM, group_size: int | None = 64) -> CausalLM:
+@register("linear_method", "int8")
+def quantize_model(model: CausalLM, config=None, group_size: int | None = 64) -> CausalLM:
     """`model` with int8 weights (W8A16) in every linear layer and the LM head (and so a tied
     embedding), in place: the float weights are replaced. Norms and an untied embedding stay as
     they are."""
@@ -422,6 +424,7 @@ class Int8KVStore(AttentionBackend):
         v_pool.view(-1, *v_pool.shape[2:]).index_copy_(0, step.slot_mapping, vq)
 
 # %% ../../nbs/08_quantization.ipynb #681d8885
+@register("attention", "int8")
 class Int8KVAttention(Int8KVStore):
     """Paged attention over an int8 pool: decode steps on a CPU by the C kernel below, over the
     pool in place; other steps by dequantizing the step's blocks for `inner`."""

@@ -29,6 +29,7 @@ from ..engine.kv_cache import PagedKVCache
 from ..engine.scheduler import Sequence, ScheduledRequest
 from ..engine.runner import NextTokenSampler
 from ..engine.memory_plan import weights_bytes
+from ..engine.registry import register
 
 # %% ../../nbs/05_speculative.ipynb #f0354488
 # one more token in a forward, relative to a one-token step (this chapter measures 0.04-0.1 on a
@@ -412,16 +413,15 @@ class PendingGuesses:
         self.q: dict[Sequence, torch.Tensor] = {}  # the draft's q of the pending guesses
 
     def clear(self, seqs: list[Sequence]):
-        "Drop the guesses of `seqs` (and their q): a new step plans afresh."
+        "Drop the q of `seqs`' last guesses: a new step plans afresh."
         for s in seqs:
-            s.spec_token_ids = []
             self.q.pop(s, None)
 
-    def hold(self, seq: Sequence, guesses: list[int], q: torch.Tensor | None):
-        "Set `seq`'s guesses for the next step, with the draft's q of them (None for n-gram)."
-        seq.spec_token_ids = guesses
+    def hold(self, seq: Sequence, guesses: list[int], q: torch.Tensor | None) -> list[int]:
+        "Keep the draft's q of `seq`'s guesses (None for n-gram) for the verifier; the guesses."
         if q is not None:
             self.q[seq] = q
+        return guesses
 
     def draft_probs(self, seq: Sequence) -> torch.Tensor | None:
         return self.q.get(seq)
@@ -440,18 +440,19 @@ class SpeculativeProposer(GuessPlanner, SpecCounters, PendingGuesses):
         PendingGuesses.__init__(self)
         self.proposer = proposer
 
-    def propose(self, seqs: list[Sequence]):
-        """Set `spec_token_ids` of the decoding sequences (none while more than
-        `disable_by_batch_size` decode)."""
+    def propose(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Guesses for each decoding sequence (none while more than `disable_by_batch_size`
+        decode); `Scheduler.update` sets them."""
         self.clear(seqs)
         limit = self.config.disable_by_batch_size
-        if not seqs or (limit is not None and len(seqs) > limit):
-            return
-        todo = [(s, k) for s, k in zip(seqs, self._plan(seqs)) if k > 0]
-        if not todo:
-            return
-        for (s, k), (guesses, q) in zip(todo, self.proposer.propose(*map(list, zip(*todo)))):
-            self.hold(s, guesses[:k], q)
+        out = {s: [] for s in seqs}
+        if seqs and (limit is None or len(seqs) <= limit):
+            todo = [(s, k) for s, k in zip(seqs, self._plan(seqs)) if k > 0]
+            if todo:
+                found = self.proposer.propose(*map(list, zip(*todo)))
+                for (s, k), (guesses, q) in zip(todo, found):
+                    out[s] = self.hold(s, guesses[:k], q)
+        return [out[s] for s in seqs]
 
     def verified(self, seq: Sequence, accepted: int, guessed: int):
         self._count(accepted, guessed)
@@ -552,9 +553,11 @@ class VerifyingSampler(NextTokenSampler):
         return [lps[b * K1 : b * K1 + len(t)] for b, t in enumerate(new)]
 
 # %% ../../nbs/05_speculative.ipynb #459b8d93
-def speculative_decoding(config, ctx) -> tuple[SpeculativeProposer, VerifyingSampler]:
-    """What chapter 5 plugs into the engine (`speculative_config`): a proposer for the scheduler
-    and a verifying sampler for the runner. `ctx` is the engine's `DraftContext`."""
+@register("proposer", "ngram")
+@register("proposer", "draft_model")
+def speculative_decoding(config, ctx) -> SpeculativeProposer:
+    """What chapter 5 plugs into the engine (`speculative_config`): a proposer for the scheduler,
+    with the verifying sampler the runner uses (`sampler`). `ctx` is the engine's `DraftContext`."""
     cfg = SpeculativeConfig.from_dict(config)
     if cfg.method == "ngram":
         proposer, draft_cost = NgramProposer(cfg.prompt_lookup_max, cfg.prompt_lookup_min), 0.0
@@ -569,4 +572,6 @@ def speculative_decoding(config, ctx) -> tuple[SpeculativeProposer, VerifyingSam
     cost = (
         cfg.draft_token_cost if cfg.draft_token_cost is not None else VERIFY_TOKEN_COST + draft_cost
     )
-    return SpeculativeProposer(cfg, proposer, cost, ctx.replay_limits), VerifyingSampler()
+    speculator = SpeculativeProposer(cfg, proposer, cost, ctx.replay_limits)
+    speculator.sampler = VerifyingSampler()
+    return speculator

@@ -17,6 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, fields
 import torch
 from ..engine.sampling import InvalidRequest
+from ..engine.registry import register
 
 # %% ../../nbs/10_structured_outputs.ipynb #f28280fe
 # \{"n": [0-9]+\}  as a DFA: state -> {characters: next state}; state 8 accepts
@@ -240,17 +241,17 @@ class MatcherUpdates:
         if m is not None and not m.is_terminated() and not m.accept_token(token_id):
             self.rejected += 1
 
-    def check_guesses(self, seqs):
-        for seq in seqs:
-            m = self.matchers.get(seq.request_id)
-            if m is None or not seq.spec_token_ids or m.is_terminated():
-                continue
-            n = 0
-            while n < len(seq.spec_token_ids) and m.accept_token(seq.spec_token_ids[n]):
-                n += 1
-            if n:
-                m.rollback(n)
-            del seq.spec_token_ids[n:]
+    def allowed_guesses(self, seq, guesses: list[int]) -> int:
+        "How many leading guesses the grammar accepts (the matcher walks them, then rolls back)."
+        m = self.matchers.get(seq.request_id)
+        if m is None or not guesses or m.is_terminated():
+            return len(guesses)
+        n = 0
+        while n < len(guesses) and m.accept_token(guesses[n]):
+            n += 1
+        if n:
+            m.rollback(n)
+        return n
 
     def free(self, seq):
         self.matchers.pop(seq.request_id, None)
@@ -284,6 +285,7 @@ class GrammarMatchers(MatcherUpdates):
         self.matchers[seq.request_id] = self.compiler.xgr.GrammarMatcher(self.compiler(spec))
 
 # %% ../../nbs/10_structured_outputs.ipynb #f32a30f4
+@register("constraints", "xgrammar")
 class GrammarConstraints(GrammarMatchers):
     """Chapter 10's side of the scheduler (the calls of `NoConstraints`): a grammar matcher per
     constrained sequence, moved only by the tokens `Scheduler.update` appends; each step's masks
@@ -521,6 +523,11 @@ def request_tool_calls(tokenizer, req) -> ToolCalls | None:
     if not req.tools and req.tool_choice not in (None, "none"):
         raise InvalidRequest("tool_choice needs tools", param="tool_choice")
     return ToolCalls(tokenizer, req.tools, req.tool_choice or "auto") if req.tools else None
+
+
+# what chapter 6's server reads of a request, found through the registered class
+GrammarConstraints.from_request = staticmethod(request_structured_outputs)
+GrammarConstraints.tool_calls = staticmethod(request_tool_calls)
 
 # %% ../../nbs/10_structured_outputs.ipynb #1b52795b
 _S = lambda n=24: {"type": "string", "maxLength": n}

@@ -18,14 +18,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine.sampling import SamplingParams, InvalidRequest
 from ..engine.outputs import as_prompt_list
 from ..engine.llm import LLM
-from ..engine.registry import load_plugin
 from mini_infer.serve.openai_api import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     parse_request,
     sampling_params,
-    TOOL_CALLS_API,
+    request_constraints,
     chat_logprobs,
     completion_logprobs,
     usage,
@@ -525,7 +524,7 @@ class OpenAIServer:
             for m in req.messages
         ]
         try:  # tools: rendered, enforced and parsed by chapter 10
-            tools = load_plugin(TOOL_CALLS_API)(self.tok, req)
+            tools = request_constraints().tool_calls(self.tok, req)
         except InvalidRequest as e:
             raise APIError(400, str(e), param=e.param) from None
         ids = tools.prompt_ids(messages) if tools else self.tok.encode_chat(messages)

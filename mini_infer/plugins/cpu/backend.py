@@ -11,11 +11,12 @@ __all__ = ['OPS_C', 'ops_kernels', 'KernelOps', 'ScratchAttention', 'CPUBackend'
 import ctypes, functools
 import torch
 from ...model.model import CausalLM, TorchOps
-from ...engine.registry import TorchBackend
+from ...engine.backend import TorchBackend
 from .build import SIMD_C, KernelLibrary, load_library
 from .linear import PackedMethod, kernel_applies, linear_kernels
 from .attention import CPUAttention
 from .replay import StepGraphs, call_runner
+from ...engine.registry import register
 
 _PTR, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
@@ -135,18 +136,20 @@ class ScratchAttention(CPUAttention):
         return super().allocate((layers, blocks + 1, *rest), dtype, device)[:, :blocks]
 
 # %% ../../../nbs/07c_step_replay.ipynb #829faacf
+@register("backend", "cpu")
 class CPUBackend:
     """The engine's `cpu` backend: for float32 models, chapter 7's products (weights packed in
     place), norms, RoPE and additions in C, decode steps replayed from recordings (unless
     `enforce_eager`); paged attention in C."""
 
+    priority = 10  # before PyTorch wherever it runs
     replay_limits = None
 
     @staticmethod
     def available(device, dtype) -> bool:
         return CPUAttention.supports(device, dtype)
 
-    def prepare(self, model: CausalLM, enforce_eager: bool = False):
+    def prepare(self, model: CausalLM, config=None):
         """Set the model up for the kernels, in place; what runs a step: the model, or its step
         graphs."""
         if model.dtype != torch.float32 or linear_kernels() is None or ops_kernels() is None:
@@ -156,10 +159,14 @@ class CPUBackend:
             if layer.method.float_weights:  # a quantized layer keeps its own method (chapter 8)
                 layer.set_method(PackedMethod())
         model.set_ops(KernelOps())
-        if enforce_eager or call_runner() is None:
+        if (config is not None and config.enforce_eager) or call_runner() is None:
             return model
         self.replay_limits = StepGraphs.replay_limits
         return StepGraphs(model)
 
     def attention(self) -> CPUAttention:
         return ScratchAttention()
+
+    def reserve(self, run_step, attention, block_size: int) -> int:
+        "Replayed steps share one activation area, made now; its bytes (none for eager steps)."
+        return run_step.reserve(attention, block_size) if isinstance(run_step, StepGraphs) else 0
