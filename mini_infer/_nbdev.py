@@ -10,6 +10,7 @@ __all__ = ['LAYERS', 'export_targets', 'write_packages', 'FreshModules']
 # %% ../nbs/99_nbdev.ipynb #4e990221
 import re
 from pathlib import Path
+from textwrap import TextWrapper
 
 # %% ../nbs/99_nbdev.ipynb #89e4382a
 _EXPORT_TO = re.compile(r"^#\|\s*exports?\s+([\w.]+)\s*$", re.M)
@@ -51,6 +52,13 @@ def write_packages(lib: Path):
             init.write_text(text)
 
 
+class _Wrap100(TextWrapper):
+    "nbdev wraps each module's `__all__` at 120 columns; the package keeps to 100."
+
+    def __init__(self, width: int = 100, **kwargs):
+        super().__init__(width=min(width, 100), **kwargs)
+
+
 class FreshModules:
     """nbdev export processor: start each non-default module afresh in the first notebook (by
     name) exporting to it."""
@@ -62,6 +70,9 @@ class FreshModules:
         from nbdev.config import get_config
         from nbdev.process import read_nb
 
+        import nbdev.maker
+
+        nbdev.maker.TextWrapper = _Wrap100
         cfg, this = get_config(), Path(self.nb.path_)
         write_packages(Path(cfg.lib_path))
         owners, defaults = {}, set()
