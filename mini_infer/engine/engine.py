@@ -59,17 +59,17 @@ class EngineConfig(SchedulerConfig):
         super().__post_init__()
         # a name no plug-in registered fails here, naming the choices
         if self.quantization is not None:
-            lookup("linear_method", self.quantization)
+            lookup("linear_method", self.quantization, "quantization", ("None",))
         if self.kv_cache_dtype != "auto":
-            lookup("attention", self.kv_cache_dtype)
+            lookup("attention", self.kv_cache_dtype, "kv_cache_dtype", ("auto",))
         if self.structured_outputs not in (None, "auto"):
-            lookup("constraints", self.structured_outputs)
+            lookup("constraints", self.structured_outputs, "structured_outputs", ("auto", "None"))
         if self.backend != "auto":
-            lookup("backend", self.backend)
+            lookup("backend", self.backend, "backend", ("auto",))
         for k in ("tensor_parallel_size", "data_parallel_size"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
-        lookup("policy", self.policy)
+        lookup("policy", self.policy, "policy")
         if self.policy != "fcfs" and not self.enable_prefix_caching:
             raise ValueError(f"the {self.policy!r} policy needs the prefix cache")
 
@@ -155,8 +155,11 @@ class LLMEngine:
                 self.backend.replay_limits,
                 self.memory.weights_bytes,
             )
-            method = cfg.speculative_config.get("method", "ngram")
-            proposer = lookup("proposer", method)(cfg.speculative_config, ctx)
+            method = cfg.speculative_config.get("method")
+            if method is None:
+                raise ValueError("speculative_config needs a 'method' (ngram or draft_model)")
+            make = lookup("proposer", method, "speculative method")
+            proposer = make(cfg.speculative_config, ctx)
         self.scheduler = Scheduler(
             cfg, self.kv, proposer, lookup("policy", cfg.policy), self._constraints()
         )

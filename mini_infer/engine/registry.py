@@ -59,11 +59,12 @@ def names(kind: str) -> list[str]:
     return sorted(_plugins[kind])
 
 
-def lookup(kind: str, name: str):
-    "The factory registered as `name` of `kind`; a clear error naming the choices if none is."
+def lookup(kind: str, name: str, what: str | None = None, also: tuple = ()):
+    """The factory registered as `name` of `kind`; if none is, an error naming the choices: `what`
+    the option is called where the user set it, `also` the values it takes besides plug-ins."""
     if name not in _plugins[kind]:
         load_entry_points()
     if name not in _plugins[kind]:
-        choices = ", ".join(names(kind)) or "none installed"
-        raise ValueError(f"unknown {kind.replace('_', ' ')} {name!r}; choose from {choices}")
+        choices = ", ".join([*also, *names(kind)]) or "none installed"
+        raise ValueError(f"unknown {what or kind.replace('_', ' ')} {name!r}; choose from {choices}")
     return _plugins[kind][name]
