@@ -5,6 +5,7 @@ Kaggle badges (they open the chapters at that tag), its install line and BibTeX,
 
     python tools/version.py 0.2.0   # set it; rewrite what derives from it, README.md, mini_infer/
     python tools/version.py         # rewrite what derives from the version already set
+    python tools/version.py --check-tag v0.2.0   # fails unless the tag is v<version>
 
 tests/test_packaging.py holds every derived place equal to the version; the release workflow
 refuses a tag that is not `v<version>`."""
@@ -76,4 +77,8 @@ def set_version(version: str):
 
 
 if __name__ == "__main__":
-    set_version(sys.argv[1] if len(sys.argv) > 1 else current())
+    if sys.argv[1:2] == ["--check-tag"]:  # the release workflow: is this tag the version's?
+        if sys.argv[2] != f"v{current()}":
+            sys.exit(f"the tag {sys.argv[2]} is not v{current()}, the version in nbs/index.ipynb")
+    else:
+        set_version(sys.argv[1] if len(sys.argv) > 1 else current())
