@@ -41,7 +41,13 @@ def to_mathml(tex: str, display: bool) -> str:
     "LaTeX as MathML, safe inside markdown (tables and emphasis)."
     from latex2mathml.converter import convert
 
-    mathml = convert(tex, display="block" if display else "inline")
+    tex = re.sub(r"\\arg(?![A-Za-z])", r"\\operatorname{arg}", tex)  # the converter lacks \arg
+    try:
+        mathml = convert(tex, display="block" if display else "inline")
+    except Exception as e:  # say which formula, not only where in the converter
+        raise ValueError(f"the site cannot write ${tex}$ as MathML: {e!r}") from e
+    if unknown := re.search(r">(\\[A-Za-z]+)<", mathml):  # a command the converter left as text
+        raise ValueError(f"the site cannot write ${tex}$ as MathML: {unknown[1]} is unknown")
     return mathml.replace("|", "&#124;").replace("*", "&#42;").replace("_", "&#95;")
 
 
@@ -89,8 +95,6 @@ def outputs_markdown(outputs: list, figures: "Figures") -> list[str]:
             parts.append('<div class="cell-html">' + "".join(data["text/html"]) + "</div>")
         elif "text/plain" in data:
             parts.append(fenced(_ANSI.sub("", "".join(data["text/plain"])), "text"))
-        elif out["output_type"] == "error":
-            parts.append(fenced(_ANSI.sub("", "\n".join(out["traceback"])), "text"))
     return parts
 
 
