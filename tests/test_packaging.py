@@ -33,29 +33,58 @@ def test_course_extras_cover_what_the_chapters_import():
     assert third_party <= names, third_party - names
 
 
-def _setup_cells():
-    import json
-    for nb in sorted(p for p in (ROOT / "nbs").glob("[0-9]*.ipynb") if p.name not in ("98_exercises.ipynb", "99_nbdev.ipynb")):
-        cells = json.loads(nb.read_text())["cells"]
-        yield nb.name, next("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+def _tool(name):
+    "A module of tools/ (the repository's own scripts)."
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    spec.loader.exec_module(module := importlib.util.module_from_spec(spec))
+    return module
 
 
 def test_one_name_and_pinned_release_everywhere():
-    "The distribution name, version and repository agree in pyproject, README, CITATION.cff and every setup cell."
+    """One version, `__version__` in nbs/index.ipynb: the setup cells install its tag, the badges open
+    the chapters at that tag, and the README's install line, BibTeX and CITATION.cff name it
+    (`python tools/version.py X.Y.Z` rewrites them all)."""
+    import json
+    version = _tool("version")
+    v = mini_infer.__version__
+    assert version.current() == v
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert meta["name"] == "mini-infer-course"        # `mini-infer` on the registry is another project
-    pinned = f'{meta["name"]}[course] @ git+{meta["urls"]["Repository"]}@v{mini_infer.__version__}'
-    for name, src in _setup_cells():
-        assert pinned in src, f"{name}: the setup cell should install {pinned!r}"
-        assert "git+" not in src.replace(pinned, ""), f"{name}: an unpinned install is left"
-    assert pinned in (ROOT / "README.md").read_text()
+    pinned = f'{meta["name"]}[course] @ git+{meta["urls"]["Repository"]}@v{v}'
+    for nb in version.chapter_notebooks():
+        src = "".join(version.setup_cell(json.loads(nb.read_text()))["source"])
+        assert pinned in src, f"{nb.name}: the setup cell should install {pinned!r}"
+        assert "git+" not in src.replace(pinned, ""), f"{nb.name}: an unpinned install is left"
+    readme, cff = (ROOT / "README.md").read_text(), (ROOT / "CITATION.cff").read_text()
+    for name, text in (("README.md", readme), ("CITATION.cff", cff)):
+        assert version.derive(text, v) == text, f"{name} names another version than {v}"
+    assert pinned in readme and "/blob/main/nbs/" not in readme
+    chapters = [p for p in version.chapter_notebooks() if p.name != "90_cli.ipynb"]
+    for p in chapters:   # each chapter's two badges open it at the tag
+        assert readme.count(f"/mini-infer/mini-infer/blob/v{v}/nbs/{p.name})") == 2, p.name
+
+
+def test_no_release_date_without_its_release():
+    "CITATION.cff gives a release date only once the release's tag exists."
+    import subprocess
+    cff = (ROOT / "CITATION.cff").read_text()
+    if "\ndate-released:" in cff:
+        tags = subprocess.run(["git", "tag", "-l", f"v{mini_infer.__version__}"], cwd=ROOT,
+                              capture_output=True, text=True).stdout
+        assert tags.strip(), f"CITATION.cff dates v{mini_infer.__version__}, which is not tagged"
 
 
 def test_readme_is_the_landing_page():
-    "README.md holds the markdown cells of nbs/index.ipynb (the landing page is the source)."
-    import json
-    cells = json.loads((ROOT / "nbs" / "index.ipynb").read_text())["cells"]
+    "README.md is nbs/index.ipynb as markdown (the landing page is the source: tools/readme.py)."
+    assert (ROOT / "README.md").read_text() == _tool("readme").readme_text(), (
+        "README.md is stale: run `python tools/readme.py`")
+
+
+def test_course_time_is_the_sum_of_the_chapters():
+    "The landing page's total reading time is the sum of its course table's reading column."
     readme = (ROOT / "README.md").read_text()
-    for c in cells[1:]:
-        if c["cell_type"] == "markdown":
-            assert "".join(c["source"]) in readme, "README.md is stale: rebuild it from nbs/index.ipynb"
+    minutes = [int(m) for m in re.findall(r"^\|[^\n]*\| ~(\d+) min \|", readme, re.M)]
+    assert len(minutes) == 15, minutes
+    stated = re.search(r"about (\d+) hours of reading \((\d+) minutes", readme)
+    assert int(stated.group(2)) == sum(minutes) and int(stated.group(1)) == round(sum(minutes) / 60)

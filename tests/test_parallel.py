@@ -89,8 +89,13 @@ def test_qkv_heads_and_replicated_kv():
 
 
 def test_vocab_parallel_embedding_and_head():
-    torch.manual_seed(0)
-    table, ids, x = torch.randn(10, 8), torch.tensor([0, 3, 9, 4, 7]), torch.randn(2, 8)
+    """Each rank's rows of the vocabulary, gathered, are the whole head's logits, bit for bit. The values are
+    small integers, so every dot product is exact in float32 whatever order a BLAS sums it in: with random
+    floats, a [2, 8] x [8, 5] product and the [2, 8] x [8, 10] one may be blocked differently (they were on an
+    AMX Xeon running tests/run.sh, on one thread) and differ in the last bit."""
+    g = torch.Generator().manual_seed(0)
+    table = torch.randint(-8, 9, (10, 8), generator=g).float()
+    ids, x = torch.tensor([0, 3, 9, 4, 7]), torch.randint(-8, 9, (2, 8), generator=g).float()
     whole = LMHead(10, 8); whole.weight_loader(whole.weight, table)
     for n in (2, 3):                                        # 10 rows: padded to 12 at n = 3
         emb, logits = 0, []

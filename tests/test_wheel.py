@@ -32,15 +32,27 @@ def test_twine_accepts_the_wheel(wheel):
     assert wheel.name.startswith("mini_infer_course-") and "mini_infer/plugins/cpu/build.py" in names
 
 
+def sees_these_site_packages(venv: Path):
+    """Let `venv` import what this interpreter has installed (torch and the other dependencies), after its
+    own site-packages. `--system-site-packages` would not do: from inside a venv it exposes the base
+    interpreter's packages, not the venv's. The folders are added as plain paths, so their .pth files (the
+    editable checkout's among them) are not run: the venv's own mini_infer, the wheel, is the one imported."""
+    dirs = [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and Path(p).is_dir()]
+    (purelib,) = {Path(p) for p in venv.glob("lib/python*/site-packages")}
+    (purelib / "_outer_site_packages.pth").write_text("\n".join(dirs) + "\n")
+
+
 def test_quickstart_from_the_wheel_offline(wheel, tmp_path):
     venv = tmp_path / "venv"
-    # the venv sees torch and the other dependencies already installed here, but not the editable checkout's
-    # mini_infer: the wheel installed into the venv comes first on sys.path
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    # a checkout on PYTHONPATH would be imported instead of the wheel (and its egg-info would tell pip that
+    # mini-infer-course is installed already)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True,
-                   timeout=300)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MINI_INFER_CACHE": str(tmp_path / "cache")}
+                   timeout=300, env=env)
+    sees_these_site_packages(venv)   # after the install: pip would take an outer mini-infer-course as installed
+    env |= {"HF_HUB_OFFLINE": "1", "MINI_INFER_CACHE": str(tmp_path / "cache")}
     r = subprocess.run([str(py), "-c", QUICKSTART], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
