@@ -27,7 +27,7 @@ def test_grade_a_copy_with_one_exercise_solved(tmp_path):
     (tmp_path / "README.md").write_text("not a notebook")
     assert [p.name for p in chapter_notebooks([tmp_path])] == ["10b_repomap.ipynb"]
     before = nb.read_text()
-    out = subprocess.run([sys.executable, "-m", "mini_infer.cli", "grade", "--quick", str(tmp_path)],
+    out = subprocess.run([sys.executable, "-c", "from mini_infer.cli import main; main()", "grade", "--quick", str(tmp_path)],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     assert nb.read_text() == before
