@@ -27,9 +27,12 @@ DERIVED = [
 
 
 def chapter_notebooks() -> list[Path]:
-    "Every notebook with a setup cell: the chapters and the CLI's."
-    skip = ("98_exercises.ipynb", "99_nbdev.ipynb")
-    return sorted(p for p in (ROOT / "nbs").glob("[0-9]*.ipynb") if p.name not in skip)
+    "Every notebook with a setup cell (its first code cell): the chapters, the contracts, the CLI's."
+    def has_setup(p: Path) -> bool:
+        code = [c for c in json.loads(p.read_text())["cells"] if c["cell_type"] == "code"]
+        return bool(code) and "".join(code[0]["source"]).startswith("#@title Setup")
+
+    return sorted(p for p in (ROOT / "nbs").glob("[0-9]*.ipynb") if has_setup(p))
 
 
 def setup_cell(nb: dict) -> dict:
