@@ -275,7 +275,8 @@ def test_prefix_affinity_beats_queue_balancing_on_chat(tiny_qwen):
     """Step times that vary (seeded: the same run under any load) scatter a conversation's turns over the
     replicas under queue balancing; prefix affinity keeps them where their history is cached."""
     import random
-    from mini_infer.plugins.parallel import QueueRouter, PrefixRouter, chat_workload, simulate_chat
+    from mini_infer.plugins.parallel import QueueRouter, PrefixRouter
+    from mini_infer.course.scaling import chat_workload, simulate_chat
     talks, sp = chat_workload(8, 4), SamplingParams(max_tokens=4, temperature=0)
     rates = {}
     for make in (QueueRouter, PrefixRouter):

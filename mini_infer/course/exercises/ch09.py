@@ -9,7 +9,7 @@ from ..exercise import exercise_check, expect, close_enough
 from ...model.layers import Shard
 from ...model.model import ModelConfig
 from ...engine.memory_plan import kv_bytes_per_token
-from ...plugins.parallel import rank_config
+from ...plugins.parallel.ranks import rank_config
 
 
 @exercise_check
