@@ -173,6 +173,40 @@ def test_killed_worker_raises_fast(tiny_qwen):
     llm.close()                                             # idempotent
 
 
+NO_GUARD = """
+import time
+from mini_infer.engine.llm import LLM
+t0 = time.monotonic()
+try:  # at the top level, without `if __name__ == "__main__":`
+    llm = LLM({model!r}, device="cpu", dtype="float32", tensor_parallel_size=2, kv_cache_memory_gb=0.05)
+except Exception:
+    print(__name__, "raised after", time.monotonic() - t0, flush=True)
+    raise
+"""
+
+
+def test_worker_that_dies_starting_explains_itself(tiny_qwen, tmp_path):
+    """A script that builds a TP engine at its top level without the main-module guard: the spawned
+    worker re-runs it and dies. The engine raises WorkerDied within seconds (not the rendezvous's
+    60 s), quoting the worker's own error and naming the guard."""
+    import subprocess, sys
+    script = tmp_path / "no_guard.py"
+    script.write_text(NO_GUARD.format(model=tiny_qwen))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()   # what a worker needs before it can fail: a Python that imports the engine
+    subprocess.run([sys.executable, "-c", "import mini_infer.engine.llm"], check=True, env=env)
+    startup = time.monotonic() - t0
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 1, r.stdout + r.stderr[-3000:]
+    error = r.stderr.split("WorkerDied: ")[-1]
+    assert error.startswith("tensor-parallel worker tp-rank-1") and "while starting" in error
+    assert "RuntimeError: An attempt has been made to start a new process" in error   # the worker's own
+    assert 'Build the LLM under `if __name__ == "__main__":`' in error and str(script) in error
+    [raised] = [float(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith("__main__")]
+    assert raised < max(10.0, startup + 5.0), (raised, startup)   # 10 s, more only on a loaded machine
+
+
 def test_worker_killed_while_generating_raises_fast(tiny_qwen):
     "A worker killed while the engine runs (in a step's collectives or between steps) ends the run with WorkerDied."
     import threading

@@ -12,15 +12,18 @@ import torch.distributed as dist
 from ...engine.engine import LLMEngine, EngineConfig
 from .ranks import load_rank
 from .world import broadcast, init_rank, launched_rank, rank_device
-from .world import tp_groups
-from .procs import WorkerProcs
+from .world import STARTUP_TIMEOUT, tp_groups
+from .procs import WorkerDied, WorkerProcs
 
 # %% ../../../nbs/09_scaling_out.ipynb #007562c6
-def worker_main(rank, groups, init_method, model, device, dtype, config: EngineConfig,
+def worker_main(rank, started, groups, init_method, model, device, dtype, config: EngineConfig,
                 threads: int):
-    """A worker process (rank 1.. of the world, in one of `groups`): load its slices, build an
-    engine around them for its KV pool, then run a forward for each step's rows that rank 0
-    broadcasts, until it sends None."""
+    """A worker process (rank 1.. of the world, in one of `groups`): say it has `started`, load
+    its slices, build an engine around them for its KV pool, then run a forward for each step's
+    rows that rank 0 broadcasts, until it sends None."""
+    if started is not None:  # a spawned worker: tell rank 0 that it runs (its imports are done)
+        started.send(True)
+        started.close()
     torch.set_num_threads(threads)
     device = rank_device(torch.device(device), rank)
     [(shard, control)] = init_rank(rank, groups, init_method, device)
@@ -62,17 +65,19 @@ class Workers:
         args = (model, str(device), dtype, config, threads)
         init_method, self.tmp, self.procs = rendezvous(groups, *args)
         with self.on_error():
+            self.procs.wait_started(STARTUP_TIMEOUT.total_seconds())
             # (shard, control) of each group
             self.groups = init_rank(0, groups, init_method, rank_device(device, 0))
 
     @contextmanager
     def on_error(self):
         """Inside: an exception closes every rank (ranks that left a step half-way can never agree
-        again), and is raised as `WorkerDied` if a worker has exited."""
+        again), and is raised as `WorkerDied`, with the worker's own error, if a worker has
+        exited."""
         try:
             yield
         except BaseException as e:
-            died = self.procs.died()
+            died = None if isinstance(e, WorkerDied) else self.procs.died()
             self.close(force=True)  # the others may be waiting in a collective
             if died is None:
                 raise
@@ -118,6 +123,6 @@ def start_workers(model, device: torch.device, dtype, config: EngineConfig) -> W
                              " needed)")
         if rank > 0:  # a worker: serve rank 0's steps, then end this process
             groups = tp_groups(size, replicas)
-            worker_main(rank, groups, "env://", model, str(device), dtype, config, threads)
+            worker_main(rank, None, groups, "env://", model, str(device), dtype, config, threads)
             raise SystemExit(0)
     return Workers(size, model, device, dtype, config, threads, replicas)
