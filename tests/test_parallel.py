@@ -88,6 +88,20 @@ def test_qkv_heads_and_replicated_kv():
         QKVLinear(hidden, D, 12, 2, False, Shard(0, 3))          # 3 ranks cannot share 2 KV heads
 
 
+def test_rank_config_refuses_splits_the_layers_cannot_make():
+    "Qwen2.5-7B (28 query heads, 4 KV heads): N = 2, 4, 28 split; N = 8 (heads), 7 and 14 (KV heads) do not."
+    from mini_infer.model.model import ModelConfig
+    from mini_infer.plugins.parallel import rank_config
+    cfg = ModelConfig(152064, 3584, 18944, 28, 28, 4, attention_bias=True, architecture="Qwen2ForCausalLM")
+    assert [(rank_config(cfg, Shard(0, n)).num_attention_heads, rank_config(cfg, Shard(0, n)).num_key_value_heads)
+            for n in (1, 2, 4, 28)] == [(28, 4), (14, 2), (7, 1), (1, 1)]
+    with pytest.raises(ValueError, match="28 query heads do not split evenly over 8 ranks"):
+        rank_config(cfg, Shard(0, 8))
+    for n in (7, 14):
+        with pytest.raises(ValueError, match=f"{n} ranks cannot share 4 KV heads"):
+            rank_config(cfg, Shard(0, n))
+
+
 def test_vocab_parallel_embedding_and_head():
     torch.manual_seed(0)
     table, ids, x = torch.randn(10, 8), torch.tensor([0, 3, 9, 4, 7]), torch.randn(2, 8)

@@ -14,12 +14,14 @@ from ...model.loader import load_model
 # %% ../../../nbs/09_scaling_out.ipynb #8e4bf7fb
 def rank_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
     """The model as one rank sees it: its query heads and its KV heads (at least one, replicated
-    when there are more ranks than KV heads). Its KV pool and memory plan follow from it."""
-    return replace(
-        cfg,
-        num_attention_heads=cfg.num_attention_heads // shard.size,
-        num_key_value_heads=max(1, cfg.num_key_value_heads // shard.size),
-    )
+    when there are more ranks than KV heads). Its KV pool and memory plan follow from it. Raises
+    ValueError for a split the layers cannot make."""
+    n, heads, kv = shard.size, cfg.num_attention_heads, cfg.num_key_value_heads
+    if heads % n:
+        raise ValueError(f"{heads} query heads do not split evenly over {n} ranks")
+    if (kv % n) if n <= kv else (n % kv):
+        raise ValueError(f"{n} ranks cannot share {kv} KV heads evenly")
+    return replace(cfg, num_attention_heads=heads // n, num_key_value_heads=max(1, kv // n))
 
 # %% ../../../nbs/09_scaling_out.ipynb #fbc3cdc5
 @dataclass(frozen=True)
