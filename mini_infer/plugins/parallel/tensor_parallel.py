@@ -11,7 +11,7 @@ from ...engine.runner import ModelRunner
 from ...engine.registry import register
 from .ranks import load_rank
 from .world import broadcast, rank_device, tp_device
-from .workers import Workers, start_workers
+from .workers import Workers, function_source, start_workers
 
 # %% ../../../nbs/09_scaling_out.ipynb #3b3fbccb
 class TensorParallelRunner(ModelRunner):
@@ -35,14 +35,15 @@ class TensorParallelRunner(ModelRunner):
 class TensorParallelEngine(LLMEngine):
     """`LLMEngine` over `tensor_parallel_size` processes: this one is rank 0 (it schedules,
     samples and holds its slices), the others are workers; or over group `group` of `workers`
-    when it is one replica of several. `close()` stops the workers; so do garbage collection
-    and interpreter exit."""
+    when it is one replica of several. `all_reduce(x, rank, size, send_recv)`, if given, sums in
+    every rank's layers instead of `dist.all_reduce` (exercise 9.4). `close()` stops the workers;
+    so do garbage collection and interpreter exit."""
 
     def __init__(self, model: str | None, device, dtype, config: EngineConfig,
-                 workers: Workers | None = None, group: int = 0):
+                 workers: Workers | None = None, group: int = 0, all_reduce=None):
         device, config = tp_device(device), replace(config, enforce_eager=True)
         if workers is None:
-            workers = start_workers(model, device, dtype, config)
+            workers = start_workers(model, device, dtype, config, function_source(all_reduce))
         self.workers, self._finalizer = workers, weakref.finalize(self, workers.close)
         with workers.on_error():
             shard, control = workers.groups[group]

@@ -43,10 +43,11 @@ def tp_groups(size: int, replicas: int = 1) -> list[list[int]]:
     return [[0, *range(1 + k * (size - 1), 1 + (k + 1) * (size - 1))] for k in range(replicas)]
 
 
-def init_rank(rank: int, groups: list[list[int]], init_method: str, device: torch.device):
+def init_rank(rank: int, groups: list[list[int]], init_method: str, device: torch.device,
+              reduce=None):
     """Join the world; for each of `groups` this rank is in, its `DistShard`, whose collectives
     (NCCL on CUDA, gloo elsewhere) time out after `STEP_TIMEOUT`, and a gloo group for the step
-    inputs (plain Python objects, waited on while idle)."""
+    inputs (plain Python objects, waited on while idle). `reduce`: `DistShard`'s."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     world = 1 + sum(len(g) - 1 for g in groups)
@@ -57,7 +58,8 @@ def init_rank(rank: int, groups: list[list[int]], init_method: str, device: torc
         model_group = dist.new_group(ranks, backend=backend, timeout=STEP_TIMEOUT)
         control = dist.new_group(ranks, backend="gloo", timeout=IDLE_TIMEOUT)
         if rank in ranks:
-            mine.append((DistShard(ranks.index(rank), len(ranks), model_group), control))
+            shard = DistShard(ranks.index(rank), len(ranks), model_group, reduce)
+            mine.append((shard, control))
     return mine
 
 # %% ../../../nbs/09_scaling_out.ipynb #ec9438cf
