@@ -833,12 +833,22 @@ def test_ch10b_signature():
 
 
 def test_ch10b_recomputed():
+    "Four prompts sharing a 1910-token system turn; the last is 1930 tokens long: 16-token blocks cache 1904."
     from mini_infer.course.exercises.ch10b import check_recomputed
-    ns = solution("10b_repomap.ipynb", "Exercise 10b.2", check_recomputed=check_recomputed, ids=[0] * 1030, cached=[0, 1008])
-    assert ns["check_recomputed"](ns["prediction"], 1030, 1008).ok is True
-    wrong = check_recomputed(1030, 1030, 1008)  # as if nothing were cached
-    assert wrong.ok is False and "off by more than" in wrong.message
-    assert check_recomputed(None, 1030, 1008).ok is None
+    system = list(range(1910))
+    prompts = [system + [50_000 + 100 * q + k for k in range(20)] for q in range(4)]
+    ids, cached = prompts[-1], [0, 1904, 1904, 1904]
+    ns = solution("10b_repomap.ipynb", "Exercise 10b.2", check_recomputed=check_recomputed, ids=ids,
+                  cached=cached, prompts=prompts)
+    assert check_recomputed(ns["prediction"], prompts, 1904, block_size=32).ok is True
+    assert check_recomputed(42, prompts, 1904, block_size=32).ok is True          # 1930 - 59 x 32
+    as_16 = check_recomputed(26, prompts, 1904, block_size=32)                     # 16-token blocks' answer
+    assert as_16.ok is False and "16-token blocks" in as_16.message
+    nothing = check_recomputed(1930, prompts, 1904, block_size=32)
+    assert nothing.ok is False and "still shared" in nothing.message
+    half_block = check_recomputed(1930 - 1910, prompts, 1904, block_size=32)        # as if partial blocks hit
+    assert half_block.ok is False and "off by" in half_block.message
+    assert check_recomputed(None, prompts, 1904, block_size=32).ok is None
 
 
 def test_ch10b_bonus():

@@ -40,7 +40,7 @@ def test_map_of_mini_infer_names_llm_and_engine(count):
 
 
 def test_outline_is_typed_and_reads_exports():
-    o = outline_file(PKG / "llm.py", PKG)
+    o = outline_file(PKG / "engine" / "llm.py", PKG)
     assert "LLM" in o.exports
     assert any(sig.strip().startswith("def generate(self") and "->" in sig for _, sig in o.symbols)
 

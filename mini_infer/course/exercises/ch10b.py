@@ -23,17 +23,35 @@ def check_signature(fn):
         want, got = _signature(node), fn(node)
         expect(
             got == want,
-            f"for {src.split(':')[0]!r} expected {want!r}, got {got!r} (hint: ast.unparse(node.args), node.returns, async)",
+            f"for {src.split(':')[0]!r} expected {want!r}, got {got!r} "
+            "(hint: ast.unparse(node.args), node.returns, async)",
         )
     return "all three signatures match"
 
 
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    "How many leading tokens `a` and `b` have in common."
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 @exercise_check
-def check_recomputed(prediction, prompt_len: int, num_cached: int):
-    "Exercise 10b.2: prompt tokens of a later question computed again (not found in the cache)."
-    actual = prompt_len - num_cached
-    close_enough(prediction, actual, rel=0.5, what="your count")
-    return f"{actual} tokens: the question and the partial block before it (only full blocks of 16 tokens are shared)"
+def check_recomputed(prediction, prompts: list[list[int]], cached_16: int, block_size: int = 32):
+    """Exercise 10b.2: the last prompt's tokens computed again with `block_size`-token blocks,
+    after the earlier prompts: its full blocks shared with an earlier prompt are cached.
+    `cached_16`: what 16-token blocks found cached (the engine's own count)."""
+    last, shared = prompts[-1], max(_shared_prefix(prompts[-1], p) for p in prompts[:-1])
+    cached = lambda block: min(len(last) - 1, shared // block * block)  # its last token: computed
+    assert cached(16) == cached_16, "the prompts are not the ones the engine ran"
+    actual = len(last) - cached(block_size)
+    expect(prediction != len(last) - cached_16, f"that is what 16-token blocks compute again; a "
+           f"{block_size}-token block is shared only if all {block_size} of its tokens match")
+    expect(prediction != len(last), "the blocks of the system turn are still shared")
+    close_enough(prediction, actual, rel=0.0, what="your count")
+    return (f"{actual} tokens: the prefix is cached in whole {block_size}-token blocks "
+            f"({cached(block_size)} tokens), and the rest of the prompt is computed")
 
 
 @exercise_check
@@ -43,6 +61,7 @@ def check_bonus(prediction, root, count_tokens, budget: int = 300):
     kept = "class LLM" in repo_map(root, budget, count_tokens, export_bonus=0)
     expect(
         prediction == ("yes" if kept else "no"),
-        f"without the bonus, `class LLM` is {'still' if kept else 'no longer'} in the {budget}-token map",
+        f"without the bonus, `class LLM` is {'still' if kept else 'no longer'} in the "
+        f"{budget}-token map",
     )
     return "the bonus lifts what a module exports above internals that are merely used often"
