@@ -865,3 +865,42 @@ def test_ch10b_bonus():
     wrong = check_bonus(other, pkg, count)
     assert wrong.ok is False and "bonus" in wrong.message
     assert check_bonus(None, pkg, count).ok is None
+
+
+_SYSTEM_10B = {"role": "system", "content": "You answer questions about this Python code base, briefly. " * 6}
+
+
+def test_ch10b_warm_right():
+    "The solution, and stream_answer used as the warm-up (a variant): the first question finds the prefix cached."
+    from mini_infer.course.exercises.ch10b import check_warm
+    from mini_infer.engine.sampling import SamplingParams
+    from mini_infer.repomap import stream_answer
+    ns = solution("10b_repomap.ipynb", "Exercise 10b.4", SamplingParams=SamplingParams, system=_SYSTEM_10B,
+                  check_warm=lambda *a: None)
+    verdict = check_warm(ns["warm"], _SYSTEM_10B)
+    assert verdict.ok is True, verdict.message
+    by_stream = lambda engine, ids: stream_answer(engine, ids, SamplingParams(max_tokens=1), show=None)
+    assert check_warm(by_stream, _SYSTEM_10B).ok is True
+
+
+def test_ch10b_warm_wrong():
+    "Not stepped; another engine warmed; only the first block: each named. The stub: not attempted."
+    from mini_infer.course.exercises.ch10b import check_warm
+    from mini_infer.engine.llm import LLM
+    from mini_infer.engine.sampling import SamplingParams
+    added = check_warm(lambda engine, ids: engine.add_request(ids, SamplingParams(max_tokens=1)), _SYSTEM_10B)
+    assert added.ok is False and "left a request" in added.message
+    def another_engine(engine, ids):
+        with LLM("smollm2-135m", kv_cache_memory_gb=0.1) as other:
+            other.generate([ids], SamplingParams(max_tokens=1))
+    elsewhere = check_warm(another_engine, _SYSTEM_10B)
+    assert elsewhere.ok is False and "found 0 of its prompt tokens cached" in elsewhere.message
+    def first_block(engine, ids):
+        seq = engine.seqs[engine.add_request(ids[:16], SamplingParams(max_tokens=1))]
+        while seq.finish_reason is None:
+            engine.step()
+    short = check_warm(first_block, _SYSTEM_10B)
+    assert short.ok is False and "found 16 of its prompt tokens cached" in short.message
+    def stub(engine, prefix_ids):
+        raise NotImplementedError
+    assert check_warm(stub, _SYSTEM_10B).ok is None
