@@ -840,15 +840,18 @@ def test_ch10b_recomputed():
     ids, cached = prompts[-1], [0, 1904, 1904, 1904]
     ns = solution("10b_repomap.ipynb", "Exercise 10b.2", check_recomputed=check_recomputed, ids=ids,
                   cached=cached, prompts=prompts)
-    assert check_recomputed(ns["prediction"], prompts, 1904, block_size=32).ok is True
-    assert check_recomputed(42, prompts, 1904, block_size=32).ok is True          # 1930 - 59 x 32
-    as_16 = check_recomputed(26, prompts, 1904, block_size=32)                     # 16-token blocks' answer
+    assert check_recomputed(ns["prediction"], prompts, 1904).ok is True
+    assert check_recomputed(74, prompts, 1904).ok is True                       # 1930 - 29 x 64
+    as_16 = check_recomputed(26, prompts, 1904)                                  # 16-token blocks' answer
     assert as_16.ok is False and "16-token blocks" in as_16.message
-    nothing = check_recomputed(1930, prompts, 1904, block_size=32)
+    nothing = check_recomputed(1930, prompts, 1904)
     assert nothing.ok is False and "still shared" in nothing.message
-    half_block = check_recomputed(1930 - 1910, prompts, 1904, block_size=32)        # as if partial blocks hit
-    assert half_block.ok is False and "off by" in half_block.message
-    assert check_recomputed(None, prompts, 1904, block_size=32).ok is None
+    for wrong in (1930 - 1910, 42):                   # as if partial blocks hit; 32-token blocks
+        assert check_recomputed(wrong, prompts, 1904).ok is False
+    assert check_recomputed(None, prompts, 1904).ok is None
+    # a prefix that fills whole 64-token blocks: the 16-token answer is then right, and judged so
+    even = [list(range(1920)) + [60_000 + 100 * q + k for k in range(10)] for q in range(4)]
+    assert check_recomputed(10, even, 1920).ok is True
 
 
 def test_ch10b_bonus():

@@ -38,7 +38,7 @@ def _shared_prefix(a: list[int], b: list[int]) -> int:
 
 
 @exercise_check
-def check_recomputed(prediction, prompts: list[list[int]], cached_16: int, block_size: int = 32):
+def check_recomputed(prediction, prompts: list[list[int]], cached_16: int, block_size: int = 64):
     """Exercise 10b.2: the last prompt's tokens computed again with `block_size`-token blocks,
     after the earlier prompts: its full blocks shared with an earlier prompt are cached.
     `cached_16`: what 16-token blocks found cached (the engine's own count)."""
@@ -46,7 +46,8 @@ def check_recomputed(prediction, prompts: list[list[int]], cached_16: int, block
     cached = lambda block: min(len(last) - 1, shared // block * block)  # its last token: computed
     assert cached(16) == cached_16, "the prompts are not the ones the engine ran"
     actual = len(last) - cached(block_size)
-    expect(prediction != len(last) - cached_16, f"that is what 16-token blocks compute again; a "
+    expect(actual == len(last) - cached_16 or prediction != len(last) - cached_16,
+           f"that is what 16-token blocks compute again; a "
            f"{block_size}-token block is shared only if all {block_size} of its tokens match")
     expect(prediction != len(last), "the blocks of the system turn are still shared")
     close_enough(prediction, actual, rel=0.0, what="your count")
