@@ -1,4 +1,4 @@
-"""Chapters 4 and 10 together: an outline of a Python code base, ranked and cut to a token budget, becomes the cached system prompt of a small code assistant that reads files through a schema-checked tool call. The first question pays for the map's prefill; the prefix cache makes every later question start almost at once.
+"""A code base's outline, cut to a token budget, as the cached system prompt of a code assistant.
 
 Docs: https://mini-infer.github.io/mini-infer/repomap.html.md"""
 
@@ -88,8 +88,8 @@ def rank(
     files: list[FileOutline], uses: Counter, export_bonus: float = 10
 ) -> list[tuple[float, str, int]]:
     """The map's lines, most important first. A class or function scores by how often the code
-    base uses its name, plus `export_bonus` if its module exports it; a method follows its class (just
-    below its score); a file's header (index -1) comes just above its best line. Returns
+    base uses its name, plus `export_bonus` if its module exports it; a method follows its class
+    (just below its score); a file's header (index -1) comes just above its best line. Returns
     (score, path, index of the symbol in its file)."""
     lines = []
     for f in files:

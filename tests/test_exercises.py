@@ -617,39 +617,163 @@ def _smollm_cfg():
     return ModelConfig(49152, 576, 1536, 30, 9, 3, tie_word_embeddings=True)
 
 
-def _qwen7b_cfg():
+def _qwen3b_cfg():
     from mini_infer.model.model import ModelConfig
-    return ModelConfig(152064, 3584, 18944, 28, 28, 4, attention_bias=True, architecture="Qwen2ForCausalLM")
+    return ModelConfig(151936, 2048, 11008, 36, 16, 2, tie_word_embeddings=True, attention_bias=True,
+                       architecture="Qwen2ForCausalLM")
+
+
+def test_09_all_reduce_count():
+    from mini_infer.course.exercises.ch09 import check_all_reduce_count
+    ns = solution("09_scaling_out.ipynb", "Exercise 9.1", check_all_reduce_count=lambda *a: None)
+    assert check_all_reduce_count(ns["prediction"], _smollm_cfg()).ok is True
+    assert check_all_reduce_count(61, _smollm_cfg()).ok is True                 # written as the number
+    for wrong, says in ((60, "embedding"), (30, "two column-then-row pairs"), (62, "gathered")):
+        verdict = check_all_reduce_count(wrong, _smollm_cfg())
+        assert verdict.ok is False and says in verdict.message, (wrong, verdict)
+    assert check_all_reduce_count(None, _smollm_cfg()).ok is None
 
 
 def test_09_masked_lookup():
     import torch
     from mini_infer.course.exercises.ch09 import check_masked_lookup
-    ns = solution("09_scaling_out.ipynb", "Exercise 9.1", torch=torch)
+    ns = solution("09_scaling_out.ipynb", "Exercise 9.2", torch=torch)
     assert check_masked_lookup(ns["lookup"]).ok is True
-    wrong = check_masked_lookup(lambda ids, rows, start: rows[(ids - start).clamp(0, rows.shape[0] - 1)])  # no mask
-    assert wrong.ok is False and "zeros" in wrong.message
+    def with_where(ids, rows, start):                                           # a variant
+        inside = (ids >= start) & (ids < start + len(rows))
+        return torch.where(inside[:, None], rows[(ids - start).clamp(0, len(rows) - 1)], 0.0)
+    assert check_masked_lookup(with_where).ok is True
+    no_mask = check_masked_lookup(lambda ids, rows, start: rows[(ids - start).clamp(0, rows.shape[0] - 1)])
+    assert no_mask.ok is False and "zeros" in no_mask.message
+    def no_shift(ids, rows, start):                                             # global ids into local rows
+        inside = (ids >= start) & (ids < start + len(rows))
+        return torch.where(inside[:, None], rows[ids.clamp(0, len(rows) - 1)], 0.0)
+    assert check_masked_lookup(no_shift).ok is False
     def stub(ids, rows, start):
         raise NotImplementedError
     assert check_masked_lookup(stub).ok is None
 
 
-def test_09_all_reduce_count():
-    from mini_infer.course.exercises.ch09 import check_all_reduce_count
-    ns = solution("09_scaling_out.ipynb", "Exercise 9.2")
-    assert check_all_reduce_count(ns["prediction"], _smollm_cfg()).ok is True
-    wrong = check_all_reduce_count(60, _smollm_cfg())
-    assert wrong.ok is False and "embedding" in wrong.message
-    assert check_all_reduce_count(None, _smollm_cfg()).ok is None
-
-
-def test_09_kv_ratio():
-    from mini_infer.course.exercises.ch09 import check_kv_ratio
+def test_09_kv_per_rank():
+    from mini_infer.course.exercises.ch09 import check_kv_per_rank
     ns = solution("09_scaling_out.ipynb", "Exercise 9.3")
-    assert check_kv_ratio(ns["kv_ratio"], _qwen7b_cfg()).ok is True
-    wrong = check_kv_ratio(0.5, _qwen7b_cfg())
-    assert wrong.ok is False and "replicated" in wrong.message
-    assert check_kv_ratio(None, _qwen7b_cfg()).ok is None
+    assert check_kv_per_rank(ns["kv_kb"], _qwen3b_cfg()).ok is True
+    assert check_kv_per_rank({1: 36, 2: 18, 3: None, 4: 18, 8: 18}, _qwen3b_cfg()).ok is True   # ints
+    halving = check_kv_per_rank({1: 36, 2: 18, 3: None, 4: 9, 8: 4.5}, _qwen3b_cfg())
+    assert halving.ok is False and "replicated" in halving.message
+    keys_only = check_kv_per_rank({1: 18, 2: 9, 3: None, 4: 9, 8: 9}, _qwen3b_cfg())
+    assert keys_only.ok is False and "a key AND a value" in keys_only.message
+    three = check_kv_per_rank({1: 36, 2: 18, 3: 12, 4: 18, 8: 18}, _qwen3b_cfg())
+    assert three.ok is False and "do not split over 3 ranks" in three.message
+    assert check_kv_per_rank(None, _qwen3b_cfg()).ok is None
+
+
+# exercise 9.4's plausible implementations; module-level functions, as the workers rebuild them from source
+import torch  # noqa: E402
+
+
+def _ring_one_loop(x, rank, size, send_recv):
+    "Correct, written differently: one loop of 2(size - 1) steps, chunks by index arithmetic."
+    flat = x.view(-1)
+    bounds = [len(flat) * k // size for k in range(size + 1)]
+    def chunk(k):
+        k %= size
+        return flat[bounds[k]:bounds[k + 1]]
+    for s in range(2 * (size - 1)):
+        out, into = chunk(rank - s), chunk(rank - s - 1)
+        received = torch.empty_like(into)
+        send_recv(out.clone(), received)
+        if s < size - 1:
+            into += received
+        else:
+            into.copy_(received)
+    return x
+
+
+def _ring_scatter_only(x, rank, size, send_recv):
+    "Wrong: the reduce-scatter without the all-gather."
+    chunks = x.view(-1).tensor_split(size)
+    for step in range(size - 1):
+        send, add = (rank - step) % size, (rank - step - 1) % size
+        received = torch.empty_like(chunks[add])
+        send_recv(chunks[send], received)
+        chunks[add].add_(received)
+    return x
+
+
+def _ring_off_by_one(x, rank, size, send_recv):
+    "Wrong: adds what it receives into the chunk it sent, not the previous rank's."
+    chunks = x.view(-1).tensor_split(size)
+    for step in range(size - 1):
+        send = add = (rank - step) % size
+        received = torch.empty_like(chunks[add])
+        send_recv(chunks[send], received)
+        chunks[add].add_(received)
+    for step in range(size - 1):
+        send_recv(chunks[(rank + 1 - step) % size], chunks[(rank - step) % size])
+    return x
+
+
+def _ring_whole_tensor(x, rank, size, send_recv):
+    "Right sums, not a ring: the whole tensor passed around size - 1 times."
+    passing = x.clone()
+    for _ in range(size - 1):
+        received = torch.empty_like(x)
+        send_recv(passing, received)
+        x += received
+        passing = received
+    return x
+
+
+def _ring_uneven_calls(x, rank, size, send_recv):
+    "Wrong: ranks call send_recv different numbers of times (it would hang the engine)."
+    for _ in range(rank):
+        send_recv(x, torch.empty_like(x))
+    return x
+
+
+def _ring_solution():
+    "Exercise 9.4's folded solution, defined with its source known (the workers define it again from it)."
+    import linecache
+    [code] = [c for h, c in solutions(NBS / "09_scaling_out.ipynb").items() if h.startswith("Exercise 9.4")]
+    filename = "<exercise 9.4 solution>"
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    ns = {"torch": torch, "check_ring_all_reduce": lambda fn: None}
+    exec(compile(code, filename, "exec"), ns)
+    return ns["ring_all_reduce"]
+
+
+
+@pytest.mark.parametrize("ring", [_ring_solution, lambda: _ring_one_loop], ids=["solution", "variant"])
+def test_09_ring_all_reduce_right(ring):
+    "TP = 3 on SmolLM2 summing with the ring gives TP = 1's greedy tokens (two engines: ~20 s)."
+    from mini_infer.course.exercises.ch09 import check_ring_all_reduce
+    verdict = check_ring_all_reduce(ring(), max_tokens=6)
+    assert verdict.ok is True, verdict.message
+
+
+@pytest.mark.parametrize("ring, says", [(_ring_scatter_only, "reduce-scatter"), (_ring_off_by_one, "chunk")],
+                         ids=["scatter-only", "off-by-one"])
+def test_09_ring_all_reduce_wrong(ring, says):
+    "The engine runs it and names the first diverging token; the thread ranks say what went wrong."
+    from mini_infer.course.exercises.ch09 import check_ring_all_reduce
+    verdict = check_ring_all_reduce(ring, max_tokens=4)
+    assert verdict.ok is False and says in verdict.message, verdict.message
+    assert "first differs from TP = 1 at prompt 'The capital of France is', generated token" in verdict.message
+
+
+def test_09_ring_all_reduce_caught_before_the_engine():
+    "Not a ring, a hang, a missing return, the stub: judged on thread ranks, no engine started."
+    from mini_infer.course.exercises.ch09 import check_ring_all_reduce
+    whole = check_ring_all_reduce(_ring_whole_tensor)
+    assert whole.ok is False and "2(N-1)/N" in whole.message
+    hang = check_ring_all_reduce(_ring_uneven_calls)
+    assert hang.ok is False and "the same number of times" in hang.message
+    no_return = check_ring_all_reduce(lambda x, rank, size, send_recv: None)
+    assert no_return.ok is False and "return the summed tensor" in no_return.message
+    def stub(x, rank, size, send_recv):
+        raise NotImplementedError
+    assert check_ring_all_reduce(stub).ok is None
 
 # ---- chapter 10 ----
 
@@ -709,12 +833,25 @@ def test_ch10b_signature():
 
 
 def test_ch10b_recomputed():
+    "Four prompts sharing a 1910-token system turn; the last is 1930 tokens long: 16-token blocks cache 1904."
     from mini_infer.course.exercises.ch10b import check_recomputed
-    ns = solution("10b_repomap.ipynb", "Exercise 10b.2", check_recomputed=check_recomputed, ids=[0] * 1030, cached=[0, 1008])
-    assert ns["check_recomputed"](ns["prediction"], 1030, 1008).ok is True
-    wrong = check_recomputed(1030, 1030, 1008)  # as if nothing were cached
-    assert wrong.ok is False and "off by more than" in wrong.message
-    assert check_recomputed(None, 1030, 1008).ok is None
+    system = list(range(1910))
+    prompts = [system + [50_000 + 100 * q + k for k in range(20)] for q in range(4)]
+    ids, cached = prompts[-1], [0, 1904, 1904, 1904]
+    ns = solution("10b_repomap.ipynb", "Exercise 10b.2", check_recomputed=check_recomputed, ids=ids,
+                  cached=cached, prompts=prompts)
+    assert check_recomputed(ns["prediction"], prompts, 1904).ok is True
+    assert check_recomputed(74, prompts, 1904).ok is True                       # 1930 - 29 x 64
+    as_16 = check_recomputed(26, prompts, 1904)                                  # 16-token blocks' answer
+    assert as_16.ok is False and "16-token blocks" in as_16.message
+    nothing = check_recomputed(1930, prompts, 1904)
+    assert nothing.ok is False and "still shared" in nothing.message
+    for wrong in (1930 - 1910, 42):                   # as if partial blocks hit; 32-token blocks
+        assert check_recomputed(wrong, prompts, 1904).ok is False
+    assert check_recomputed(None, prompts, 1904).ok is None
+    # a prefix that fills whole 64-token blocks: the 16-token answer is then right, and judged so
+    even = [list(range(1920)) + [60_000 + 100 * q + k for k in range(10)] for q in range(4)]
+    assert check_recomputed(10, even, 1920).ok is True
 
 
 def test_ch10b_bonus():
@@ -731,3 +868,42 @@ def test_ch10b_bonus():
     wrong = check_bonus(other, pkg, count)
     assert wrong.ok is False and "bonus" in wrong.message
     assert check_bonus(None, pkg, count).ok is None
+
+
+_SYSTEM_10B = {"role": "system", "content": "You answer questions about this Python code base, briefly. " * 6}
+
+
+def test_ch10b_warm_right():
+    "The solution, and stream_answer used as the warm-up (a variant): the first question finds the prefix cached."
+    from mini_infer.course.exercises.ch10b import check_warm
+    from mini_infer.engine.sampling import SamplingParams
+    from mini_infer.repomap import stream_answer
+    ns = solution("10b_repomap.ipynb", "Exercise 10b.4", SamplingParams=SamplingParams, system=_SYSTEM_10B,
+                  check_warm=lambda *a: None)
+    verdict = check_warm(ns["warm"], _SYSTEM_10B)
+    assert verdict.ok is True, verdict.message
+    by_stream = lambda engine, ids: stream_answer(engine, ids, SamplingParams(max_tokens=1), show=None)
+    assert check_warm(by_stream, _SYSTEM_10B).ok is True
+
+
+def test_ch10b_warm_wrong():
+    "Not stepped; another engine warmed; only the first block: each named. The stub: not attempted."
+    from mini_infer.course.exercises.ch10b import check_warm
+    from mini_infer.engine.llm import LLM
+    from mini_infer.engine.sampling import SamplingParams
+    added = check_warm(lambda engine, ids: engine.add_request(ids, SamplingParams(max_tokens=1)), _SYSTEM_10B)
+    assert added.ok is False and "left a request" in added.message
+    def another_engine(engine, ids):
+        with LLM("smollm2-135m", kv_cache_memory_gb=0.1) as other:
+            other.generate([ids], SamplingParams(max_tokens=1))
+    elsewhere = check_warm(another_engine, _SYSTEM_10B)
+    assert elsewhere.ok is False and "found 0 of its prompt tokens cached" in elsewhere.message
+    def first_block(engine, ids):
+        seq = engine.seqs[engine.add_request(ids[:16], SamplingParams(max_tokens=1))]
+        while seq.finish_reason is None:
+            engine.step()
+    short = check_warm(first_block, _SYSTEM_10B)
+    assert short.ok is False and "found 16 of its prompt tokens cached" in short.message
+    def stub(engine, prefix_ids):
+        raise NotImplementedError
+    assert check_warm(stub, _SYSTEM_10B).ok is None

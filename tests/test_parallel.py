@@ -88,6 +88,20 @@ def test_qkv_heads_and_replicated_kv():
         QKVLinear(hidden, D, 12, 2, False, Shard(0, 3))          # 3 ranks cannot share 2 KV heads
 
 
+def test_rank_config_refuses_splits_the_layers_cannot_make():
+    "Qwen2.5-7B (28 query heads, 4 KV heads): N = 2, 4, 28 split; N = 8 (heads), 7 and 14 (KV heads) do not."
+    from mini_infer.model.model import ModelConfig
+    from mini_infer.plugins.parallel import rank_config
+    cfg = ModelConfig(152064, 3584, 18944, 28, 28, 4, attention_bias=True, architecture="Qwen2ForCausalLM")
+    assert [(rank_config(cfg, Shard(0, n)).num_attention_heads, rank_config(cfg, Shard(0, n)).num_key_value_heads)
+            for n in (1, 2, 4, 28)] == [(28, 4), (14, 2), (7, 1), (1, 1)]
+    with pytest.raises(ValueError, match="28 query heads do not split evenly over 8 ranks"):
+        rank_config(cfg, Shard(0, 8))
+    for n in (7, 14):
+        with pytest.raises(ValueError, match=f"{n} ranks cannot share 4 KV heads"):
+            rank_config(cfg, Shard(0, n))
+
+
 def test_vocab_parallel_embedding_and_head():
     """Each rank's rows of the vocabulary, gathered, are the whole head's logits, bit for bit. The values are
     small integers, so every dot product is exact in float32 whatever order a BLAS sums it in: with random
@@ -176,6 +190,40 @@ def test_killed_worker_raises_fast(tiny_qwen):
         llm.close()
     assert llm.engine.workers.closed
     llm.close()                                             # idempotent
+
+
+NO_GUARD = """
+import time
+from mini_infer.engine.llm import LLM
+t0 = time.monotonic()
+try:  # at the top level, without `if __name__ == "__main__":`
+    llm = LLM({model!r}, device="cpu", dtype="float32", tensor_parallel_size=2, kv_cache_memory_gb=0.05)
+except Exception:
+    print(__name__, "raised after", time.monotonic() - t0, flush=True)
+    raise
+"""
+
+
+def test_worker_that_dies_starting_explains_itself(tiny_qwen, tmp_path):
+    """A script that builds a TP engine at its top level without the main-module guard: the spawned
+    worker re-runs it and dies. The engine raises WorkerDied within seconds (not the rendezvous's
+    60 s), quoting the worker's own error and naming the guard."""
+    import subprocess, sys
+    script = tmp_path / "no_guard.py"
+    script.write_text(NO_GUARD.format(model=tiny_qwen))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()   # what a worker needs before it can fail: a Python that imports the engine
+    subprocess.run([sys.executable, "-c", "import mini_infer.engine.llm"], check=True, env=env)
+    startup = time.monotonic() - t0
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 1, r.stdout + r.stderr[-3000:]
+    error = r.stderr.split("WorkerDied: ")[-1]
+    assert error.startswith("tensor-parallel worker tp-rank-1") and "while starting" in error
+    assert "RuntimeError: An attempt has been made to start a new process" in error   # the worker's own
+    assert 'Build the LLM under `if __name__ == "__main__":`' in error and str(script) in error
+    [raised] = [float(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith("__main__")]
+    assert raised < max(10.0, startup + 5.0), (raised, startup)   # 10 s, more only on a loaded machine
 
 
 def test_worker_killed_while_generating_raises_fast(tiny_qwen):
@@ -280,7 +328,8 @@ def test_prefix_affinity_beats_queue_balancing_on_chat(tiny_qwen):
     """Step times that vary (seeded: the same run under any load) scatter a conversation's turns over the
     replicas under queue balancing; prefix affinity keeps them where their history is cached."""
     import random
-    from mini_infer.plugins.parallel import QueueRouter, PrefixRouter, chat_workload, simulate_chat
+    from mini_infer.plugins.parallel import QueueRouter, PrefixRouter
+    from mini_infer.course.scaling import chat_workload, simulate_chat
     talks, sp = chat_workload(8, 4), SamplingParams(max_tokens=4, temperature=0)
     rates = {}
     for make in (QueueRouter, PrefixRouter):
