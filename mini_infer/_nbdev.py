@@ -23,22 +23,23 @@ def export_targets(nb) -> set[str]:
 
 
 LAYERS = {
-    "model": "The model (chapters 1-1b): layers that own their weights, the Qwen2/Llama decoder over them,\n"
-    "the tokenizer, and loading from safetensors or GGUF. Knows nothing of requests or blocks.",
-    "engine": "The engine (chapters 1c-3): sampling, the paged KV cache, its memory plan and attention, the\n"
-    "scheduler, the model runner, `LLMEngine` and `LLM`. `contracts` writes down every plug-in kind\n"
-    "and the step's plain data; `registry` finds plug-ins by name.",
-    "plugins": "Plug-ins (chapters 4-10): each implements a contract of `engine.contracts` and registers\n"
-    "under a name; the engine finds them through `engine.registry` and never imports them.",
-    "plugins.cpu": "Chapter 7's C kernels for CPUs: the build driver, packed matmuls, paged attention, steps\n"
-    "recorded and replayed from C, and the `cpu` compute backend that puts them in the engine.",
-    "serve": "The OpenAI-compatible server (chapter 6): request schemas, the engine's asyncio loop,\n"
-    "Prometheus metrics and the FastAPI app.",
-    "bench": "Benchmarks behind `mini-infer bench` and the chapters' speed cells: offline throughput,\n"
-    "prefix caching, speculation, serving, and static batching as the baseline.",
-    "course": "What the chapters teach with, not the engine: the exercise harness, each chapter's\n"
-    "checks, teaching helpers and figures. The engine never imports it.",
-    "course.exercises": "Each chapter's exercise checks, one module per chapter (`mini-infer grade` runs them).",
+    "model": """The model (chapters 1-1b): layers that own their weights, the Qwen2/Llama decoder
+over them, the tokenizer, and loading from safetensors or GGUF. Knows nothing of requests.""",
+    "engine": """The engine (chapters 1c-3): sampling, the paged KV cache, its memory plan and
+attention, the scheduler, the model runner, `LLMEngine` and `LLM`. `contracts` writes down every
+plug-in kind and the step's plain data; `registry` finds plug-ins by name.""",
+    "plugins": """Plug-ins (chapters 4-10): each implements a contract of `engine.contracts` and
+registers under a name; the engine finds them through `engine.registry`, never imports them.""",
+    "plugins.cpu": """Chapter 7's C kernels for CPUs: the build driver, packed matmuls, paged
+attention, steps recorded and replayed from C, and the `cpu` compute backend.""",
+    "serve": """The OpenAI-compatible server (chapter 6): request schemas, the engine's asyncio
+loop, Prometheus metrics and the FastAPI app.""",
+    "bench": """Benchmarks behind `mini-infer bench` and the chapters' speed cells: offline
+throughput, prefix caching, speculation, serving, and static batching as the baseline.""",
+    "course": """What the chapters teach with, not the engine: the exercise harness and grading,
+each chapter's checks, teaching helpers and figures. The engine never imports it.""",
+    "course.exercises": """Each chapter's exercise checks, one module per chapter (`mini-infer
+grade` reads their verdicts).""",
 }
 
 

@@ -19,7 +19,10 @@ def imports(p: Path) -> set[str]:
     "The mini_infer modules `p` imports (relative imports resolved), at any depth in the file."
     here, found = dotted(p).split("."), set()
     pkg = here if p.name == "__init__.py" else here[:-1]
-    for node in ast.walk(ast.parse(p.read_text())):
+    tree = ast.parse(p.read_text())
+    for block in [n for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)]:
+        block.body = []  # names for annotations only: not imported when the code runs
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             base = pkg[: len(pkg) - node.level + 1] if node.level else []
             mod = ".".join(base + ([node.module] if node.module else []))

@@ -1,2 +1,2 @@
-"""What the chapters teach with, not the engine: the exercise harness, each chapter's
-checks, teaching helpers and figures. The engine never imports it."""
+"""What the chapters teach with, not the engine: the exercise harness and grading,
+each chapter's checks, teaching helpers and figures. The engine never imports it."""

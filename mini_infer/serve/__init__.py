@@ -1,2 +1,2 @@
-"""The OpenAI-compatible server (chapter 6): request schemas, the engine's asyncio loop,
-Prometheus metrics and the FastAPI app."""
+"""The OpenAI-compatible server (chapter 6): request schemas, the engine's asyncio
+loop, Prometheus metrics and the FastAPI app."""

@@ -1,1 +1,2 @@
-"""Each chapter's exercise checks, one module per chapter (`mini-infer grade` runs them)."""
+"""Each chapter's exercise checks, one module per chapter (`mini-infer
+grade` reads their verdicts)."""
