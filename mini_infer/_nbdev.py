@@ -10,7 +10,7 @@ __all__ = ['LAYERS', 'export_targets', 'write_packages', 'FreshModules']
 # %% ../nbs/99_nbdev.ipynb #4e990221
 import re
 from pathlib import Path
-from textwrap import TextWrapper
+from textwrap import TextWrapper, fill
 
 # %% ../nbs/99_nbdev.ipynb #89e4382a
 _EXPORT_TO = re.compile(r"^#\|\s*exports?\s+([\w.]+)\s*$", re.M)
@@ -60,6 +60,17 @@ class _Wrap100(TextWrapper):
         super().__init__(width=min(width, 100), **kwargs)
 
 
+def _wrapped(pkg_mdoc):
+    "nbdev's package docstring (a line per module's summary), its long lines wrapped at 100."
+
+    def wrapped(*args, **kwargs) -> str:
+        lines = pkg_mdoc(*args, **kwargs).split("\n")
+        indent = lambda l: "  " if l.startswith("- ") else ""
+        return "\n".join(fill(l, 100, subsequent_indent=indent(l)) for l in lines)
+
+    return wrapped
+
+
 class FreshModules:
     """nbdev export processor: start each non-default module afresh in the first notebook (by
     name) exporting to it."""
@@ -71,9 +82,12 @@ class FreshModules:
         from nbdev.config import get_config
         from nbdev.process import read_nb
 
-        import nbdev.maker
+        import nbdev.config, nbdev.maker
 
         nbdev.maker.TextWrapper = _Wrap100
+        if not hasattr(nbdev.config.pkg_mdoc, "__wrapped_by_mini_infer__"):
+            nbdev.config.pkg_mdoc = _wrapped(nbdev.config.pkg_mdoc)
+            nbdev.config.pkg_mdoc.__wrapped_by_mini_infer__ = True
         cfg, this = get_config(), Path(self.nb.path_)
         write_packages(Path(cfg.lib_path))
         owners, defaults = {}, set()

@@ -1,4 +1,5 @@
-"""`mini-infer generate`, `chat`, `info`, `doctor`, `bench offline|serve|prefix|spec` and `serve`: thin commands over the same `LLM` and engine the chapters build.
+"""`mini-infer generate`, `chat`, `info`, `doctor`, `bench offline|serve|prefix|spec` and `serve`:
+thin commands over the same `LLM` and engine the chapters build.
 
 Docs: https://mini-infer.github.io/mini-infer/cli.html.md"""
 

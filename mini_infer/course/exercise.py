@@ -1,4 +1,5 @@
-"""How every chapter's exercises report "correct", "not attempted yet" or what is wrong, and how the tests hold each check to its solution and to a wrong answer.
+"""How every chapter's exercises report "correct", "not attempted yet" or what is wrong, and how
+the tests hold each check to its solution and to a wrong answer.
 
 Docs: https://mini-infer.github.io/mini-infer/exercises.html.md"""
 

@@ -1,4 +1,5 @@
-"""The engine's extension points, written down: each kind of plug-in as a `typing.Protocol`, the plain data one step passes between its phases, and one registry where plug-ins register by name.
+"""The engine's extension points, written down: each kind of plug-in as a `typing.Protocol`, the
+plain data one step passes between its phases, and one registry where plug-ins register by name.
 
 Docs: https://mini-infer.github.io/mini-infer/contracts.html.md"""
 
