@@ -305,15 +305,15 @@ class Sampler:
         return tokens, self.logprobs(raw, tokens, batch)
 
     def probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The distribution each non-greedy row draws from: temperature, then top-k, top-p and
-        min-p, then softmax."""
+        """The distribution each non-greedy row draws from: temperature, then min-p, top-k and
+        top-p (vLLM's order), then softmax."""
         logits = logits / batch.temperature.unsqueeze(-1)
+        if batch.uses["min_p"]:
+            logits = logits.masked_fill(~min_p_mask(logits, batch.min_p), float("-inf"))
         if batch.uses["top_k"]:
             logits = logits.masked_fill(~top_k_mask(logits, batch.top_k), float("-inf"))
         if batch.uses["top_p"]:
             logits = logits.masked_fill(~top_p_mask(logits, batch.top_p), float("-inf"))
-        if batch.uses["min_p"]:
-            logits = logits.masked_fill(~min_p_mask(logits, batch.min_p), float("-inf"))
         return logits.softmax(-1)
 
 # %% ../../nbs/01c_sampling_and_generate.ipynb #070b2fda
