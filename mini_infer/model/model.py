@@ -93,7 +93,7 @@ class ModelConfig:
     def __post_init__(self):
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        check_config(self)  # a supported architecture, heads a multiple of KV heads (collapsed cell)
+        check_config(self)  # a supported architecture, heads a multiple of KV heads
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
