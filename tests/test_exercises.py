@@ -421,7 +421,7 @@ def test_01_relative_score():
     import torch
     from mini_infer.course.exercises.ch01 import check_relative_score
     cfg = smol_cfg()
-    ns = solution("01_model.ipynb", "Exercise 1.1", check_relative_score=check_relative_score, smol_cfg=cfg)
+    ns = solution("01_model.ipynb", "Exercise 1.1:", check_relative_score=check_relative_score, smol_cfg=cfg)
     assert check_relative_score(ns["relative_score"], cfg).ok is True
     flipped = lambda q, k, delta, inv_freq: ns["relative_score"](q, k, -delta, inv_freq)   # the sin term's sign flipped
     wrong = check_relative_score(flipped, cfg)
@@ -437,7 +437,7 @@ def test_01_kv_ratio():
     from mini_infer.course.exercises.ch01 import check_kv_ratio
     cfg = smol_cfg()
     mha = ModelConfig(**{**vars(cfg), "num_key_value_heads": 9})
-    ns = solution("01_model.ipynb", "Exercise 1.2", check_kv_ratio=check_kv_ratio, smol_cfg=cfg, mha_cfg=mha)
+    ns = solution("01_model.ipynb", "Exercise 1.2:", check_kv_ratio=check_kv_ratio, smol_cfg=cfg, mha_cfg=mha)
     assert check_kv_ratio(ns["prediction"], cfg, mha).ok is True
     wrong = check_kv_ratio(1 / 3, cfg, mha)
     assert wrong.ok is False and "shrinks" in wrong.message
@@ -449,13 +449,38 @@ def test_01_kv_ratio():
 def test_01_param_count():
     from mini_infer.course.exercises.ch01 import check_param_count
     cfg = smol_cfg()
-    ns = solution("01_model.ipynb", "Exercise 1.3", check_param_count=check_param_count, smol_cfg=cfg)
+    ns = solution("01_model.ipynb", "Exercise 1.3:", check_param_count=check_param_count, smol_cfg=cfg)
     assert ns["prediction"] == 134_515_008 and check_param_count(ns["prediction"], cfg).ok is True
     wrong = check_param_count(134_515_008 + 49152 * 576, cfg)   # the tied table counted twice
     assert wrong.ok is False and "twice" in wrong.message
     wrong = check_param_count(135_000_000 * 1.1, cfg)
     assert wrong.ok is False and "off by" in wrong.message
     assert check_param_count(None, cfg).ok is None
+
+
+def test_01_rms_norm_in_the_model():
+    "Build it: the learner's RMSNorm runs in SmolLM2's 61 norms through `set_ops`; greedy tokens compared."
+    import torch
+    from mini_infer.course.exercises.ch01 import check_rms_norm, smollm2, engine_greedy
+    from mini_infer.model.model import TorchOps
+    ns = solution("01_model.ipynb", "Exercise 1.4:", check_rms_norm=check_rms_norm, torch=torch)
+    assert check_rms_norm(ns["rms_norm"]).ok is True
+    # a correct variant, written differently: divide by the square root of sum / d
+    variant = lambda x, w, eps: w * (x / torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + eps))
+    assert check_rms_norm(variant).ok is True
+    def layer_norm(x, w, eps):   # the mistake the chapter warns about: RMSNorm does not centre
+        c = x - x.mean(-1, keepdim=True)
+        return c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps) * w
+    wrong = check_rms_norm(layer_norm)
+    assert wrong.ok is False and "LayerNorm" in wrong.message and "token" in wrong.message
+    wrong = check_rms_norm(lambda x, w, eps: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)) * w)   # no eps
+    assert wrong.ok is False and "eps" in wrong.message
+    wrong = check_rms_norm(lambda x, w, eps: x.mul_(torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).mul_(w))
+    assert wrong.ok is False and "in place" in wrong.message and "differs" in wrong.message
+    def stub(x, weight, eps): raise NotImplementedError
+    assert check_rms_norm(stub).ok is None
+    model, _ = smollm2()   # the engine's ops are back, and its tokens with them
+    assert all(type(m.ops) is TorchOps for m in model.ops_modules())
 
 
 @pytest.fixture(scope="module")
@@ -470,7 +495,7 @@ def smol_gguf():
 def test_01b_chatml(smol_gguf):
     from mini_infer.course.exercises.ch01b import check_chatml
     tok = smol_gguf[1]
-    ns = solution("01b_weights_and_tokens.ipynb", "Exercise 1.4", check_chatml=check_chatml, smol_tok=tok)
+    ns = solution("01b_weights_and_tokens.ipynb", "Exercise 1.5:", check_chatml=check_chatml, smol_tok=tok)
     assert check_chatml(ns["chatml"], tok).ok is True
     no_default = lambda ms: "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in ms) + "<|im_start|>assistant\n"
     wrong = check_chatml(no_default, tok)
@@ -485,7 +510,7 @@ def test_01b_chatml(smol_gguf):
 def test_01b_gguf_bytes(smol_gguf):
     from mini_infer.course.exercises.ch01b import check_gguf_bytes
     reader = smol_gguf[0]
-    ns = solution("01b_weights_and_tokens.ipynb", "Exercise 1.5", check_gguf_bytes=check_gguf_bytes, reader=reader)
+    ns = solution("01b_weights_and_tokens.ipynb", "Exercise 1.6:", check_gguf_bytes=check_gguf_bytes, reader=reader)
     assert check_gguf_bytes(ns["prediction"], reader).ok is True
     wrong = check_gguf_bytes(134_515_008 // 2, reader)   # 4 bits per weight, no scales
     assert wrong.ok is False and "scale" in wrong.message
@@ -494,40 +519,66 @@ def test_01b_gguf_bytes(smol_gguf):
     assert check_gguf_bytes(None, reader).ok is None
 
 
-def test_01b_q8_0(smol_gguf):
+def test_01b_q8_0_table_in_the_model(smol_gguf):
+    "Build it: the learner's Q8_0 decoder makes SmolLM2's table, loaded through `load_weights`; greedy tokens compared."
     import numpy as np
+    import torch
     from mini_infer.course.exercises.ch01b import check_q8_0
+    from mini_infer.course.exercises.ch01 import smollm2
     reader = smol_gguf[0]
-    ns = solution("01b_weights_and_tokens.ipynb", "Exercise 1.6", check_q8_0=check_q8_0, reader=reader, np=np)
+    model, _ = smollm2()
+    table = model.lm_head.weight.detach().clone()
+    ns = solution("01b_weights_and_tokens.ipynb", "Exercise 1.7:", check_q8_0=check_q8_0, reader=reader, np=np)
     assert check_q8_0(ns["dequant_q8_0"], reader).ok is True
-    unsigned = lambda b: b[:2].view(np.float16).astype(np.float32)[0] * b[2:].astype(np.float32)
+    def variant(blocks):   # float64, the scale read with frombuffer, the sign taken by hand
+        scale = np.frombuffer(blocks[:, :2].tobytes(), dtype="<f2").astype(np.float64)[:, None]
+        q = blocks[:, 2:].astype(np.int16)
+        return scale * np.where(q > 127, q - 256, q)
+    assert check_q8_0(variant, reader).ok is True
+    unsigned = lambda b: b[:, :2].view(np.float16).astype(np.float32) * b[:, 2:].astype(np.float32)
     wrong = check_q8_0(unsigned, reader)
-    assert wrong.ok is False and "signed" in wrong.message
-    wrong = check_q8_0(lambda b: b[2:].view(np.int8).astype(np.float32), reader)   # no scale
-    assert wrong.ok is False and "block 0" in wrong.message
-    def stub(block): raise NotImplementedError
+    assert wrong.ok is False and "signed" in wrong.message and "token 0" in wrong.message
+    wrong = check_q8_0(lambda b: b[:, 2:].view(np.int8).astype(np.float32), reader)   # no scale
+    assert wrong.ok is False and "scale" in wrong.message
+    wrong = check_q8_0(lambda b: ns["dequant_q8_0"](b).reshape(-1), reader)   # flat, not [n, 32]
+    assert wrong.ok is False and "[18, 32]" in wrong.message
+    def stub(blocks): raise NotImplementedError
     assert check_q8_0(stub, reader).ok is None
+    assert torch.equal(model.lm_head.weight, table)   # gguf's table is back after each check
 
 
-def test_01c_top_p():
+def test_01c_top_p_in_the_sampler():
+    "Build it: the learner's top-p runs inside the engine's Sampler; masks and seeded sampled tokens compared."
     import torch
     from mini_infer.course.exercises.ch01c import check_top_p
-    ns = solution("01c_sampling_and_generate.ipynb", "Exercise 1.7", check_top_p=check_top_p, torch=torch)
-    assert check_top_p(ns["top_p_keep"]).ok is True
-    def without_crossing(probs, p):   # keeps tokens while the mass *including* them is < p
-        sorted_probs, order = probs.sort(descending=True)
-        keep = torch.zeros_like(probs, dtype=torch.bool)
-        keep[order[sorted_probs.cumsum(0) < p]] = True
-        return keep
+    ns = solution("01c_sampling_and_generate.ipynb", "Exercise 1.8:", check_top_p=check_top_p, torch=torch)
+    assert check_top_p(ns["nucleus"]).ok is True
+    def variant(logits, p):   # vLLM's way: drop the least likely tokens while their mass stays <= 1 - p
+        asc, order = logits.softmax(-1).sort(dim=-1)
+        drop = asc.cumsum(-1) <= (1 - p)[:, None]
+        drop[:, -1] = False
+        return ~torch.zeros_like(drop).scatter(-1, order, drop)
+    assert check_top_p(variant).ok is True
+    def without_crossing(logits, p):   # keeps tokens while the mass *including* them is < p
+        probs, order = logits.softmax(-1).sort(dim=-1, descending=True)
+        keep = (probs.cumsum(-1) < p[:, None]) | (p[:, None] >= 1)
+        return torch.zeros_like(keep).scatter(-1, order, keep)
     wrong = check_top_p(without_crossing)
-    assert wrong.ok is False and "crosses" in wrong.message
-    def unsorted(probs, p):   # the right count, taken in vocabulary order
-        keep = torch.zeros_like(probs, dtype=torch.bool)
-        keep[: int(ns["top_p_keep"](probs, p).sum())] = True
-        return keep.flip(0)
+    assert wrong.ok is False and "crosses" in wrong.message and "token 0 differs" in wrong.message
+    wrong = check_top_p(lambda logits, p: ns["nucleus"](logits, p[:1].expand(len(p))))   # one p for all rows
+    assert wrong.ok is False and "row 0's p" in wrong.message
+    def unsorted(logits, p):   # the cumulative mass taken in vocabulary order
+        probs = logits.softmax(-1)
+        return ((probs.cumsum(-1) - probs) < p[:, None]) | (p[:, None] >= 1)
     wrong = check_top_p(unsorted)
-    assert wrong.ok is False and "most likely" in wrong.message
-    def stub(probs, p): raise NotImplementedError
+    assert wrong.ok is False and "the batch" in wrong.message
+    def no_softmax(logits, p):   # the logits summed as if they were probabilities
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        keep = ((sorted_logits.cumsum(-1) - sorted_logits) < p[:, None]) | (p[:, None] >= 1)
+        return torch.zeros_like(keep).scatter(-1, order, keep)
+    wrong = check_top_p(no_softmax)
+    assert wrong.ok is False and "the batch" in wrong.message
+    def stub(logits, p): raise NotImplementedError
     assert check_top_p(stub).ok is None
 
 
@@ -535,19 +586,21 @@ def test_01c_entropy_limit():
     import math, torch
     from mini_infer.course.exercises.ch01c import check_entropy_limit
     demo = -torch.log(torch.arange(1, 51.0))
-    ns = solution("01c_sampling_and_generate.ipynb", "Exercise 1.8", check_entropy_limit=check_entropy_limit, demo=demo)
+    ns = solution("01c_sampling_and_generate.ipynb", "Exercise 1.9:", check_entropy_limit=check_entropy_limit, demo=demo)
     assert check_entropy_limit(ns["prediction"], demo).ok is True
     wrong = check_entropy_limit(0.0, demo)
     assert wrong.ok is False and "greedy" in wrong.message
     wrong = check_entropy_limit(math.log2(50), demo)
     assert wrong.ok is False and "bits" in wrong.message
+    at_t4 = -((demo / 4).softmax(-1) * (demo / 4).log_softmax(-1)).sum().item()   # the sweep's last line
+    assert check_entropy_limit(round(at_t4, 3), demo).ok is False
     assert check_entropy_limit(None, demo).ok is None
 
 
 def test_01c_recompute_tokens():
     from mini_infer.course.exercises.ch01c import check_recompute_tokens
     prompt = list(range(5))
-    ns = solution("01c_sampling_and_generate.ipynb", "Exercise 1.9", check_recompute_tokens=check_recompute_tokens, prompt=prompt)
+    ns = solution("01c_sampling_and_generate.ipynb", "Exercise 1.10:", check_recompute_tokens=check_recompute_tokens, prompt=prompt)
     assert ns["prediction"] == 12 * 5 + 66 and check_recompute_tokens(ns["prediction"], 5, 12).ok is True
     wrong = check_recompute_tokens(12 * 5, 5, 12)
     assert wrong.ok is False and "grows" in wrong.message

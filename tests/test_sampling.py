@@ -99,16 +99,16 @@ def test_min_p_exact(logits):
 
 
 def test_sampled_tokens_stay_inside_masks(logits):
-    "Through the sampler: every draw lies in top-k ∩ top-p ∩ min-p (top-p on the top-k-renormalised distribution)."
+    "Through the sampler: every draw lies in min-p ∩ top-k ∩ top-p (vLLM's order: top-p renormalised over the others' survivors)."
     sampler, torch_seed = Sampler(), torch.manual_seed(1)
     params = [SamplingParams(top_k=5), SamplingParams(top_p=0.5), SamplingParams(min_p=0.2),
               SamplingParams(top_k=8, top_p=0.6, min_p=0.05, temperature=0.7)]
     rows = logits[:4]
     allowed = [ref_top_k(rows[0].tolist(), 5), ref_top_p(rows[1].tolist(), 0.5), ref_min_p(rows[2].tolist(), 0.2)]
     r3 = (rows[3] / 0.7).tolist()
-    topk = ref_top_k(r3, 8)
-    masked = [x if i in topk else -math.inf for i, x in enumerate(r3)]
-    allowed.append(topk & ref_top_p(masked, 0.6) & ref_min_p(r3, 0.05))
+    kept = ref_min_p(r3, 0.05) & ref_top_k(r3, 8)
+    masked = [x if i in kept else -math.inf for i, x in enumerate(r3)]
+    allowed.append(kept & ref_top_p(masked, 0.6))
     for _ in range(200):
         tok, _ = draw(sampler, rows, params, [None] * 4)
         for i, t in enumerate(tok.tolist()): assert t in allowed[i]

@@ -82,9 +82,15 @@ class Request:
     and why it ended."""
 
     def __init__(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer, max_len: int
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        max_len: int,
     ):
-        self.request_id, self.prompt_ids, self.params, self.max_len = request_id, prompt_ids, params, max_len
+        self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
+        self.max_len = max_len
         self.eos_ids = set(tokenizer.eos_token_ids)
         self.output_ids: list[int] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
@@ -103,14 +109,19 @@ class Request:
             self.logprobs.append(logprob)
         delta = self.text.add([token_id])
         n = len(self.output_ids)
-        self.finish_reason = "stop" if self.text.stopped else finish_reason_for(token_id, n, self.params, self.eos_ids)
+        self.finish_reason = (
+            "stop"
+            if self.text.stopped
+            else finish_reason_for(token_id, n, self.params, self.eos_ids)
+        )
         if self.finish_reason is None and self.num_tokens >= self.max_len:
             self.finish_reason = "length"
         return delta + self.text.flush() if self.finish_reason else delta
 
     def output(self) -> RequestOutput:
         ids, text = list(self.output_ids), self.text.text
-        return RequestOutput(self.request_id, self.prompt_ids, ids, text, self.finish_reason, self.logprobs)
+        reason, lps = self.finish_reason, self.logprobs
+        return RequestOutput(self.request_id, self.prompt_ids, ids, text, reason, lps)
 
 # %% ../../nbs/01c_sampling_and_generate.ipynb #3ebd2baa
 def as_prompt_list(prompts) -> list:

@@ -17,13 +17,14 @@ def generate(
     tokenizer: Tokenizer,
     prompts,
     params: SamplingParams | list[SamplingParams] | None = None,
+    sampler: Sampler | None = None,
 ) -> list[RequestOutput]:
     """Generate a completion for each prompt (text or token ids), one request at a time: the
-    reference of every faster path."""
+    reference of every faster path. `sampler`: chapter 1's `Sampler()` unless given."""
     prompts = as_prompt_list(prompts)
     pairs = zip(prompts, as_params_list(params, len(prompts)))
     return [
-        generate_one(model, tokenizer, str(i), encode_prompt(tokenizer, p), sp).output()
+        generate_one(model, tokenizer, str(i), encode_prompt(tokenizer, p), sp, sampler).output()
         for i, (p, sp) in enumerate(pairs)
     ]
 
@@ -34,6 +35,7 @@ def generate_one(
     request_id: str,
     prompt_ids: list[int],
     params: SamplingParams,
+    sampler: Sampler | None = None,
 ) -> Request:
     """Prefill the prompt into a contiguous cache, then decode one token per forward until the
     request ends."""
@@ -44,7 +46,7 @@ def generate_one(
             param="prompt",
             code="context_length_exceeded",
         )
-    req, sampler = Request(request_id, prompt_ids, params, tokenizer, max_len), Sampler()
+    req, sampler = Request(request_id, prompt_ids, params, tokenizer, max_len), sampler or Sampler()
     generator = None if params.seed is None else torch.Generator(dev).manual_seed(params.seed)
     history = (
         TokenHistory(prompt_ids, model.config.vocab_size, dev) if params.has_penalties else None

@@ -114,12 +114,14 @@ def open_shards(files: list[Path]) -> list:
 
 
 def shard_tensors(files: list[Path], handles: list, bar, shard: Shard = WHOLE):
-    "Yield (name, tensor) from every shard, one tensor at a time, ticking `bar`: unread `TensorSlices` for a rank."
+    """Yield (name, tensor) from every shard, one tensor at a time, ticking `bar`; for a rank of a
+    sharded model (chapter 9), unread `TensorSlices`."""
     for path, h in zip(files, handles):
         for name in h.keys():
             bar.update()
             try:
-                yield name, h.get_tensor(name) if shard.size == 1 else TensorSlices(h.get_slice(name))
+                whole = shard.size == 1
+                yield name, h.get_tensor(name) if whole else TensorSlices(h.get_slice(name))
             except Exception as e:
                 raise CheckpointError(f"{path}: cannot read tensor {name!r} ({e})") from e
 

@@ -8,8 +8,8 @@ Docs: https://mini-infer.github.io/mini-infer/model.html.md"""
 __all__ = ['SUPPORTED_ARCHITECTURES', 'TORCH_OPS', 'FUSED', 'hf_config_kwargs', 'check_config', 'ModelConfig',
            'TorchOps', 'RMSNorm', 'rope_frequencies', 'RotaryEmbedding', 'apply_rope',
            'ForwardStep', 'ContiguousStep', 'KVCache', 'causal_attention', 'ContiguousKVCache',
-           'Attention', 'MLP', 'DecoderLayer', 'hf_to_local', 'copy_weight', 'Decoder',
-           'checkpoint_parts', 'CheckpointIn', 'CheckpointIO', 'PluginPoints', 'CausalLM']
+           'Attention', 'MLP', 'DecoderLayer', 'hf_to_local', 'copy_weight', 'Decoder', 'CausalLM',
+           'checkpoint_parts']
 
 # %% ../../nbs/01_model.ipynb #49913f75
 import json, math
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from fastcore.basics import patch
 from mini_infer.model.layers import (
     WHOLE,
     Shard,
@@ -38,10 +39,9 @@ SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 def hf_config_kwargs(d: dict, known: set[str]) -> dict:
     """The `known` fields of a Hugging Face `config.json` dict, and the ones it says otherwise:
     the architecture, Qwen2's q/k/v bias, RoPE settings nested by newer transformers."""
-    arch = (d.get("architectures") or [None])[0] or {
-        "qwen2": "Qwen2ForCausalLM",
-        "llama": "LlamaForCausalLM",
-    }.get(d.get("model_type"), str(d.get("model_type")))
+    by_type = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+    model_type = d.get("model_type")
+    arch = (d.get("architectures") or [None])[0] or by_type.get(model_type, str(model_type))
     kw = {k: v for k, v in d.items() if k in known}
     if arch == "Qwen2ForCausalLM":
         kw["attention_bias"] = True
@@ -94,7 +94,7 @@ class ModelConfig:
     def __post_init__(self):
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
-        check_config(self)  # a supported architecture, heads a multiple of KV heads (hidden cell)
+        check_config(self)  # a supported architecture, heads a multiple of KV heads
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -139,11 +139,8 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
-        self.eps, self.weight, self.ops = (
-            eps,
-            nn.Parameter(torch.ones(dim), requires_grad=False),
-            TORCH_OPS,
-        )
+        self.eps, self.ops = eps, TORCH_OPS
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x):
         return self.ops.rms_norm(x, self.weight, self.eps)
@@ -156,11 +153,8 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     rs = cfg.rope_scaling or {}
     kind = rs.get("rope_type", rs.get("type", "default"))
     if kind == "llama3":
-        factor, lo, hi = (
-            rs["factor"],
-            rs.get("low_freq_factor", 1.0),
-            rs.get("high_freq_factor", 4.0),
-        )
+        factor, lo = rs["factor"], rs.get("low_freq_factor", 1.0)
+        hi = rs.get("high_freq_factor", 4.0)
         old_ctx = rs.get("original_max_position_embeddings", 8192)
         wavelen = 2 * math.pi / inv_freq
         smooth = ((old_ctx / wavelen) - lo) / (hi - lo)
@@ -288,19 +282,12 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, shard: Shard = WHOLE):
         super().__init__()
         self.layer_idx, self.head_dim, self.ops = layer_idx, cfg.head_dim, TORCH_OPS
+        heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.qkv_proj = QKVLinear(
-            cfg.hidden_size,
-            cfg.head_dim,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.attention_bias,
-            shard,
+            cfg.hidden_size, cfg.head_dim, heads, kv_heads, cfg.attention_bias, shard
         )
-        # this rank's heads
-        self.n_heads, self.n_kv = (self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads)
-        self.o_proj = RowLinear(
-            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, False, shard
-        )
+        self.n_heads, self.n_kv = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.o_proj = RowLinear(heads * cfg.head_dim, cfg.hidden_size, False, shard)
 
     def forward(self, x, cos, sin, cache: KVCache, step):
         T, D = x.shape[0], self.head_dim
@@ -389,96 +376,8 @@ class Decoder(nn.Module):
             x = layer(x, cos, sin, cache, step)
         return x
 
-# %% ../../nbs/01_model.ipynb #16878c66
-def checkpoint_parts(layer: str) -> list[str]:
-    "The checkpoint's names of what layer `layer` holds: `qkv_proj` -> q, k, v; others: itself."
-    return [hf for hf, (fused, _) in FUSED.items() if fused == layer] or [layer]
-
-
-class CheckpointIn:
-    "The model's weights in from a checkpoint, and what a complete checkpoint holds (a mixin)."
-
-    def load_weights(self, weights) -> set[str]:
-        """Load checkpoint tensors, (Hugging Face name, tensor) pairs, each through the loader of
-        the layer that holds it (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`). Returns the
-        checkpoint names loaded."""
-        params, tied, loaded = dict(self.named_parameters()), self.config.tie_word_embeddings, set()
-        for name, tensor in weights:
-            if "rotary_emb" in name:
-                continue
-            target, shard_id = hf_to_local(name, tied)
-            if target not in params:
-                raise KeyError(f"unexpected tensor {name!r} for {self.config.architecture}")
-            module = self.get_submodule(target.rpartition(".")[0])
-            try:
-                getattr(module, "weight_loader", copy_weight)(params[target], tensor, shard_id)
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
-            loaded.add("lm_head.weight" if target == "lm_head.weight" else name)
-        return loaded
-
-    def expected_weights(self) -> set[str]:
-        "The checkpoint names `load_weights` must have loaded for the model to be complete."
-        names = set()
-        for name, _ in self.named_parameters():
-            module, _, leaf = name.rpartition(".")
-            parent, _, layer = module.rpartition(".")
-            parts = checkpoint_parts(layer)
-            names |= {f"{parent}.{part}.{leaf}" if parent else f"{part}.{leaf}" for part in parts}
-        return names
-
-# %% ../../nbs/01_model.ipynb #f11bb936
-class CheckpointIO(CheckpointIn):
-    "And the weights out again, dense, under the checkpoint's names."
-
-    def hf_weights(self):
-        """The weights dense, as a Hugging Face checkpoint names them, whatever layout the
-        layers' methods keep them in: (name, tensor) pairs, `load_weights`' inverse (a tied table
-        under both names)."""
-        for name, module in self.named_modules():
-            if isinstance(module, RMSNorm):
-                yield f"{name}.weight", module.weight
-            if not isinstance(module, LinearBase):
-                continue
-            weight, bias = module.method.dense(module)
-            parent, _, leaf = name.rpartition(".")
-            parts = checkpoint_parts(leaf)
-            weights = weight.split(module.output_sizes)
-            biases = bias.split(module.output_sizes) if bias is not None else [None] * len(parts)
-            for part, w, b in zip(parts, weights, biases):
-                prefix = f"{parent}.{part}" if parent else part
-                yield f"{prefix}.weight", w
-                if b is not None:
-                    yield f"{prefix}.bias", b
-            if name == "lm_head" and self.config.tie_word_embeddings:
-                yield "model.embed_tokens.weight", weight
-
-# %% ../../nbs/01_model.ipynb #73d9858e
-class PluginPoints(CheckpointIO):
-    "Where later chapters plug into the model, and the device and dtype it runs in."
-
-    def set_ops(self, ops):
-        "Run RMSNorm, RoPE and the residual additions with `ops` (chapter 7's C kernels)."
-        for m in self.modules():
-            if hasattr(m, "ops"):
-                m.ops = ops
-
-    def linear_layers(self) -> list[LinearBase]:
-        """The layers whose products run through a `LinearMethod`: every linear layer and the LM
-        head (an untied embedding only looks rows up: it keeps PyTorch's)."""
-        embed = self.model.embed_tokens
-        return [m for m in self.modules() if isinstance(m, LinearBase) and m is not embed]
-
-    @property
-    def device(self):
-        return self.model.norm.weight.device
-
-    @property
-    def dtype(self):  # the activations' dtype, whatever the linear layers store (chapter 8)
-        return self.model.norm.weight.dtype
-
 # %% ../../nbs/01_model.ipynb #7207c043
-class CausalLM(PluginPoints, nn.Module):
+class CausalLM(nn.Module):
     "A Qwen2 / Llama causal language model over packed batches."
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None, shard: Shard = WHOLE):
@@ -487,6 +386,14 @@ class CausalLM(PluginPoints, nn.Module):
         self.model = Decoder(cfg, shard)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, shard)
         self.rotary = RotaryEmbedding(cfg, max_positions)
+
+    @property
+    def device(self):
+        return self.model.norm.weight.device
+
+    @property
+    def dtype(self):  # the activations' dtype, whatever the linear layers store (chapter 8)
+        return self.model.norm.weight.dtype
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         "The embeddings of `ids`: from the embedding table, or the LM head's weight when tied."
@@ -501,3 +408,90 @@ class CausalLM(PluginPoints, nn.Module):
         if step.logits_indices is not None:
             x = x[step.logits_indices]
         return self.lm_head(self.model.norm(x)).float()
+
+# %% ../../nbs/01_model.ipynb #16878c66
+def checkpoint_parts(layer: str) -> list[str]:
+    "The checkpoint's names of what layer `layer` holds: `qkv_proj` -> q, k, v; others: itself."
+    return [hf for hf, (fused, _) in FUSED.items() if fused == layer] or [layer]
+
+
+@patch
+def load_weights(self: CausalLM, weights) -> set[str]:
+    """Load checkpoint tensors, (Hugging Face name, tensor) pairs, each through the loader of the
+    layer that holds it (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`). Returns the
+    checkpoint names loaded."""
+    params, tied, loaded = dict(self.named_parameters()), self.config.tie_word_embeddings, set()
+    for name, tensor in weights:
+        if "rotary_emb" in name:
+            continue
+        target, shard_id = hf_to_local(name, tied)
+        if target not in params:
+            raise KeyError(f"unexpected tensor {name!r} for {self.config.architecture}")
+        module = self.get_submodule(target.rpartition(".")[0])
+        try:
+            getattr(module, "weight_loader", copy_weight)(params[target], tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        loaded.add("lm_head.weight" if target == "lm_head.weight" else name)
+    return loaded
+
+
+@patch
+def expected_weights(self: CausalLM) -> set[str]:
+    "The checkpoint names `load_weights` must have loaded for the model to be complete."
+    names = set()
+    for name, _ in self.named_parameters():
+        module, _, leaf = name.rpartition(".")
+        parent, _, layer = module.rpartition(".")
+        parts = checkpoint_parts(layer)
+        names |= {f"{parent}.{part}.{leaf}" if parent else f"{part}.{leaf}" for part in parts}
+    return names
+
+# %% ../../nbs/01_model.ipynb #f11bb936
+@patch
+def hf_weights(self: CausalLM):
+    """The weights dense, as a Hugging Face checkpoint names them, whatever layout the layers'
+    methods keep them in: (name, tensor) pairs, `load_weights`' inverse (a tied table under both
+    names)."""
+    for name, module in self.named_modules():
+        if isinstance(module, RMSNorm):
+            yield f"{name}.weight", module.weight
+        if not isinstance(module, LinearBase):
+            continue
+        weight, bias = module.method.dense(module)
+        parent, _, leaf = name.rpartition(".")
+        parts = checkpoint_parts(leaf)
+        weights = weight.split(module.output_sizes)
+        biases = bias.split(module.output_sizes) if bias is not None else [None] * len(parts)
+        for part, w, b in zip(parts, weights, biases):
+            prefix = f"{parent}.{part}" if parent else part
+            yield f"{prefix}.weight", w
+            if b is not None:
+                yield f"{prefix}.bias", b
+        if name == "lm_head" and self.config.tie_word_embeddings:
+            yield "model.embed_tokens.weight", weight
+
+# %% ../../nbs/01_model.ipynb #73d9858e
+@patch
+def ops_modules(self: CausalLM) -> list[nn.Module]:
+    """The modules that compute through `ops`: each decoder layer (its residual additions), its
+    two norms and its attention (RoPE), and the final norm."""
+    modules = [self.model.norm]
+    for layer in self.model.layers:
+        modules += [layer, layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm]
+    return modules
+
+
+@patch
+def set_ops(self: CausalLM, ops):
+    "Run RMSNorm, RoPE and the residual additions with `ops` (chapter 7's C kernels)."
+    for m in self.ops_modules():
+        m.ops = ops
+
+
+@patch
+def linear_layers(self: CausalLM) -> list[LinearBase]:
+    """The layers whose products run through a `LinearMethod`: every linear layer and the LM head
+    (an untied embedding only looks rows up: it keeps PyTorch's)."""
+    embed = self.model.embed_tokens
+    return [m for m in self.modules() if isinstance(m, LinearBase) and m is not embed]

@@ -39,8 +39,10 @@ def compile_chat_template(source: str) -> jinja2.Template:
 
 # %% ../../nbs/01b_weights_and_tokens.ipynb #c1e3a69d
 # The split regexes of tokenizer.json files, by llama.cpp's `tokenizer.ggml.pre` name.
-_QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-_LLAMA3_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+_WORDS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+_REST = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2_SPLIT = _WORDS + r"\p{N}" + _REST  # every digit on its own
+_LLAMA3_SPLIT = _WORDS + r"\p{N}{1,3}" + _REST  # digits in groups of up to 3
 
 
 def _split(regex):
@@ -210,7 +212,11 @@ class Tokenizer:
         ).ids
 
     def __repr__(self):
-        return f"Tokenizer(vocab_size={self.vocab_size}, eos_token_ids={self.eos_token_ids}, chat_template={self._template is not None})"
+        has_template = self._template is not None
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, eos_token_ids={self.eos_token_ids}, "
+            f"chat_template={has_template})"
+        )
 
     @classmethod
     def from_dir(cls, path) -> "Tokenizer":
