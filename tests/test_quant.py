@@ -11,10 +11,11 @@ from mini_infer.engine.llm import LLM, run_to_completion
 from mini_infer.model.model import CausalLM, ModelConfig
 from mini_infer.engine.attention import TorchAttention
 from mini_infer.model.layers import GateUpLinear, LinearBase, QKVLinear
-from mini_infer.plugins.cpu.linear import linear_packed, pack_weight, linear_glu_packed, pack_glu
+from mini_infer.plugins.cpu.linear import linear_packed, pack_weight, linear_glu_packed, pack_glu, unpack_panels
 from mini_infer.plugins.cpu.attention import paged_decode_kernel
-from mini_infer.plugins.quant import (Int8KVAttention, Int8Method, dequantize_int8, dequantize_kv, int8_attention_kernels, int8_kernels,
-                              linear_int8, paged_decode_int8, panel_width, quantize_int8, quantize_kv, quantize_model, unpack_panels)
+from mini_infer.plugins.cpu.int8 import int8_attention_kernels, int8_kernels, paged_decode_int8
+from mini_infer.plugins.quant import (Int8KVAttention, Int8Method, dequantize_int8, dequantize_kv, linear_int8, panel_width,
+                                      quantize_int8, quantize_kv, quantize_model)
 from mini_infer.engine.reference import generate
 from mini_infer.engine.sampling import SamplingParams
 
@@ -230,9 +231,9 @@ def test_int8_kv_engine_matches_float_mostly_and_holds_more_tokens():
     assert i.generate("The capital of France is", p)[0].text.strip().startswith("Paris")
 
 
-@pytest.mark.parametrize("kw,match", [(dict(quantization="int4"), "unsupported quantization 'int4'; supported: None, int8"),
-                                      (dict(quantization="INT8"), "supported: None, int8"),
-                                      (dict(kv_cache_dtype="fp8"), "unsupported kv_cache_dtype 'fp8'; supported: auto, int8")])
+@pytest.mark.parametrize("kw,match", [(dict(quantization="int4"), "unknown linear method 'int4'; choose from int8"),
+                                      (dict(quantization="INT8"), "choose from int8"),
+                                      (dict(kv_cache_dtype="fp8"), "unknown attention 'fp8'; choose from int8")])
 def test_bad_values_name_what_is_supported(kw, match):
     with pytest.raises(ValueError, match=match): EngineConfig(**kw)
     with pytest.raises(ValueError, match=match): LLM("smollm2-135m", **kw)

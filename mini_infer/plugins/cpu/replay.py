@@ -80,7 +80,8 @@ class ActivationArea:
         return 0 if self.buffer is None else len(self.buffer)
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
-        "`t`, a tensor just made, or one of its shape, strides and dtype in the next bytes of the area."
+        """`t`, a tensor just made, or one of its shape, strides and dtype in the next bytes of the
+        area."""
         n = t.untyped_storage().nbytes()
         start, self.used = self.used, self.used + -(-n // 64) * 64  # 64-byte aligned, as PyTorch's
         self.high = max(self.high, self.used)
@@ -153,14 +154,17 @@ class StepGraph:
         return self.output
 
 # %% ../../../nbs/07c_step_replay.ipynb #0fde6254
-# the step sizes recorded: every size up to 16 tokens, then every 8th up to 64 (8 verify rows of 1 + 7)
+# the step sizes recorded: every size up to 16 tokens, then every 8th up to 64 (8 verify rows of
+# 1 + 7)
 GRAPH_SIZES = (*range(1, 17), *range(24, 65, 8))
-GRAPH_MAX_TOKENS = GRAPH_SIZES[-1]  # bigger steps run in Python, where it is a small share of their time
+# bigger steps run in Python, where it is a small share of their time
+GRAPH_MAX_TOKENS = GRAPH_SIZES[-1]
 REPLAY_ROW = SHORT_ROW  # the longest row replayed: longer rows are prompt chunks (chapter 7b)
 
 
 def graph_size(tokens: int) -> int:
-    "The recorded size a step of `tokens` tokens runs at: the next of `GRAPH_SIZES`, padded up to it."
+    """The recorded size a step of `tokens` tokens runs at: the next of `GRAPH_SIZES`, padded up to
+    it."""
     return next(s for s in GRAPH_SIZES if s >= tokens)
 
 
@@ -174,7 +178,8 @@ def scratch_block(cache) -> int | None:
 # %% ../../../nbs/07c_step_replay.ipynb #c3a1e0d2
 def static_inputs(size: int, x, cos, sin, step, cache) -> tuple:
     """The inputs a step of `size` tokens is recorded on: hidden states, cos and sin, and a step
-    whose every token is a decode-kernel row, block tables as wide as the pool and its scratch block."""
+    whose every token is a decode-kernel row, block tables as wide as the pool and its scratch
+    block."""
     long, width = torch.long, cache.num_blocks + 1
     static = replace(step, slot_mapping=torch.zeros(size, dtype=long))
     static.attn = KernelPlan(torch.arange(size), torch.zeros(size, width, dtype=long),
@@ -202,9 +207,9 @@ def fill_inputs(inputs: tuple, x, cos, sin, step, scratch: int | None):
 
 # %% ../../../nbs/07c_step_replay.ipynb #c3a1e0d3
 def record_step(decoder, inputs: tuple, linears: list, area: ActivationArea) -> StepGraph | None:
-    """`decoder` recorded on `inputs`, which hold a step's values (the recording computes that step),
-    its activations in `area`, with the weights its calls read; None, with a warning, where a module
-    computes in PyTorch or the area is too small."""
+    """`decoder` recorded on `inputs`, which hold a step's values (the recording computes that
+    step), its activations in `area`, with the weights its calls read; None, with a warning, where
+    a module computes in PyTorch or the area is too small."""
     try:
         g = StepGraph(decoder, *inputs, area=area)
     except RuntimeError as e:  # these steps stay in Python
@@ -244,25 +249,29 @@ class StepGraphs:
 
     def __init__(self, model: CausalLM):
         self.model, self.graphs, self.area = model, {}, ActivationArea()
-        # a method replaces a linear layer's weight (and with it any bias or scale): these are watched
+        # a method replaces a linear layer's weight (and with it any bias or scale): these are
+        # watched
         self.linears = [m for m in model.model.modules() if isinstance(m, LinearBase)]
 
     def __call__(self, step, cache):
         return self.model(step, cache, layers=self.layers)
 
     def reserve(self, attention, block_size: int) -> int:
-        "Make the area all recordings share (`shared_area`, below); its bytes, counted by the engine."
+        """Make the area all recordings share (`shared_area`, below); its bytes, counted by the
+        engine."""
         self.area = shared_area(self.model, attention, block_size)
         return self.area.nbytes
 
     def layers(self, x, cos, sin, cache, step):
-        "The decoder layers over `x`: replayed where its size was recorded, else run (and maybe recorded)."
+        """The decoder layers over `x`: replayed where its size was recorded, else run (and maybe
+        recorded)."""
         decoder, T, size = self.model.model, len(x), replay_size(x, step, cache)
         if size is None:
             return decoder(x, cos, sin, cache, step)
         key, scratch = (size, cache.k.data_ptr(), torch.get_num_threads()), scratch_block(cache)
         if key not in self.graphs or is_stale(self.graphs[key], self.linears):
-            fill_inputs(inputs := static_inputs(size, x, cos, sin, step, cache), x, cos, sin, step, scratch)
+            inputs = static_inputs(size, x, cos, sin, step, cache)
+            fill_inputs(inputs, x, cos, sin, step, scratch)
             self.graphs[key] = g = record_step(decoder, inputs, self.linears, self.area)
             return decoder(x, cos, sin, cache, step) if g is None else g.output[:T]
         if (g := self.graphs[key]) is None:
