@@ -165,6 +165,7 @@ def bf16_prefill(prefill_dtype: str) -> bool:
     return prefill_dtype == "bfloat16" or "__AMX_BF16__" in native_target(_cc())
 
 
+# %% ../../../nbs/07_cpu_kernels.ipynb #358c0e60
 def pack_bf16(packed: torch.Tensor) -> torch.Tensor:
     """Float32 panels [P, K, W] (`pack_weight`'s or `pack_glu`'s) as bf16 pairs [P, ceil(K / 2),
     W, 2]: a column's weights for k = 2i and 2i + 1 side by side, rounded to nearest even."""

@@ -7,6 +7,7 @@ __all__ = ['BF16_MIN_ROWS', 'pack_layer', 'unpack_layer', 'bf16_panels', 'Packed
 import torch
 import torch.nn.functional as F
 from ...model.layers import LinearMethod, LinearBase
+from .build import KernelLibrary
 from mini_infer.plugins.cpu.linear import (
     kernel_applies, linear_glu_packed, linear_kernels, linear_packed, pack_glu, pack_weight,
     unpack_panels,
@@ -63,11 +64,11 @@ def bf16_panels(layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
 # %% ../../../nbs/07_cpu_kernels.ipynb #cf83891c
 class PackedMethod(LinearMethod):
     """Chapter 7's products: the weight packed into panels (`pack_layer`) in place of the [out, in]
-    one; the C kernels for CPU float32 activations, with bf16 products for long steps if `bf16`
-    (`bf16_prefill` says where the engine asks for them)."""
+    one; the C kernels (`library`, else chapter 7's) for CPU float32 activations, with bf16
+    products for long steps if `bf16` (`bf16_prefill` says where the engine asks for them)."""
 
-    def __init__(self, bf16: bool = False):
-        self.bf16 = bf16
+    def __init__(self, bf16: bool = False, library: KernelLibrary | None = None):
+        self.bf16, self.library = bf16, library
 
     def process_weights(self, layer: LinearBase):
         if not isinstance(layer.method, PackedMethod):
@@ -88,21 +89,23 @@ class PackedMethod(LinearMethod):
             return F.linear(x, *self.dense(layer))
         if (wb := self._bf16(layer, x)) is not None:
             return linear_bf16(x.contiguous(), wb, layer.out_features, layer.bias)
-        return linear_packed(x.contiguous(), layer.weight, layer.out_features, layer.bias)
+        w, b = layer.weight, layer.bias
+        return linear_packed(x.contiguous(), w, layer.out_features, b, self.library)
 
     def apply_split(self, layer: LinearBase, x: torch.Tensor) -> list[torch.Tensor]:
         if not kernel_applies(x):
             return list(F.linear(x, *self.dense(layer)).split(layer.output_sizes, -1))
         if (wb := self._bf16(layer, x)) is not None:
             return linear_bf16(x.contiguous(), wb, layer.output_sizes, layer.bias)
-        return linear_packed(x.contiguous(), layer.weight, layer.output_sizes, layer.bias)
+        w, b = layer.weight, layer.bias
+        return linear_packed(x.contiguous(), w, layer.output_sizes, b, self.library)
 
     def apply_glu(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         if not kernel_applies(x):
             return super().apply_glu(layer, x, F.linear(x, self.dense(layer)[0]))
         if (wb := self._bf16(layer, x)) is not None:
             return linear_bf16(x.contiguous(), wb, layer.output_sizes[0], glu=True)
-        return linear_glu_packed(x.contiguous(), layer.weight, layer.output_sizes[0])
+        return linear_glu_packed(x.contiguous(), layer.weight, layer.output_sizes[0], self.library)
 
     def embed(self, layer: LinearBase, ids: torch.Tensor) -> torch.Tensor:
         "Rows `ids` of the packed table: row n is column n % block of panel n // block."
