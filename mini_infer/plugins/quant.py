@@ -1,4 +1,4 @@
-"""At batch 1 a decoder reads every weight once per token, so the bytes it reads set its speed. This chapter stores the weights in int8 with a float scale per output channel (or per group of 64 or 128 inputs), computes with them first in plain PyTorch and then in a C kernel that widens int8 to floats in registers, and stores the KV cache in int8 with a scale per token and head. It measures what that costs in accuracy (next-token agreement, KL divergence, perplexity) and what it buys in memory and speed, and tours the formats learners meet elsewhere: GGUF's blocks, GPTQ, AWQ, SmoothQuant's W8A8 and fp8.
+"""int8 weights and KV cache, first in plain PyTorch, then read by a C kernel: their cost and gain.
 
 Docs: https://mini-infer.github.io/mini-infer/quantization.html.md"""
 
@@ -6,7 +6,7 @@ Docs: https://mini-infer.github.io/mini-infer/quantization.html.md"""
 
 # %% auto #0
 __all__ = ['quantize_int8', 'dequantize_int8', 'panel_width', 'Int8Method', 'quantize_model', 'linear_int8', 'quantize_kv',
-           'dequantize_kv', 'Int8KVAttention']
+           'dequantize_kv', 'Int8KVAttention', 'smooth_model']
 
 # %% ../../nbs/08_quantization.ipynb #e660d4de
 from dataclasses import replace
@@ -241,4 +241,36 @@ def attend(self: Int8KVAttention, q, k_pool, v_pool, k, v, step: StepInputs) -> 
     used, slots, inner = step.attn
     kd, vd = (dequantize_kv(p.index_select(0, used), q.dtype) for p in (k_pool, v_pool))
     return self.inner.attend(q, kd, vd, kd.flatten(0, 1)[slots], vd.flatten(0, 1)[slots], inner)
+
+
+# %% ../../nbs/08_quantization.ipynb #c7b2d4b5
+def _scale_columns(layer: LinearBase, s: torch.Tensor):
+    "The layer's weight columns multiplied by `s`: its input channel j by s[j]."
+    w, b = layer.method.dense(layer)
+    layer.set_weights(w * s, b)
+
+
+def smooth_model(model: CausalLM, scales: dict[str, torch.Tensor]) -> CausalLM:
+    """AWQ-style smoothing, in place, before quantizing: the inputs of decoder layer i's q/k/v,
+    gate/up and down products divided by `scales["layers.{i}.self_attn.qkv_proj"]` (and
+    `...mlp.gate_up_proj`, `...mlp.down_proj`; [in] each, absent: none) and their weight columns
+    multiplied by it. In float the model computes the same: the divisions are folded into the norm
+    before q/k/v and gate/up, and into the up rows before down."""
+    if any(type(layer.method) is not LinearMethod for layer in model.linear_layers()):
+        raise ValueError("smooth a model as loaded, before a backend or quantization sets it")
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        pairs = [(layer.input_layernorm, attn.qkv_proj, "self_attn.qkv_proj"),
+                 (layer.post_attention_layernorm, mlp.gate_up_proj, "mlp.gate_up_proj")]
+        for norm, lin, name in pairs:
+            if (s := scales.get(f"layers.{i}.{name}")) is not None:
+                with torch.no_grad():
+                    norm.weight.div_(s)
+                _scale_columns(lin, s)
+        if (s := scales.get(f"layers.{i}.mlp.down_proj")) is not None:
+            w, b = mlp.gate_up_proj.method.dense(mlp.gate_up_proj)
+            gate, up = w.split(mlp.gate_up_proj.output_sizes)
+            mlp.gate_up_proj.set_weights(torch.cat([gate, up / s[:, None]]), b)
+            _scale_columns(mlp.down_proj, s)
+    return model
 

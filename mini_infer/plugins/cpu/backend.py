@@ -1,4 +1,4 @@
-"""With the products (chapter 7) and attention (7b) in C, a one-row decode step spends much of its time in the Python between the calls. This last part of chapter 7 puts the layer's remaining ops in C, records a decode step's few hundred kernel calls once and replays them from C with one call from Python (what CUDA graphs do on a GPU), says which steps can be replayed and what runs in Python otherwise, and assembles it all into the engine's `cpu` backend, checked token for token against PyTorch.
+"""A decode step's kernel calls recorded once and replayed from C, and the engine's `cpu` backend.
 
 Docs: https://mini-infer.github.io/mini-infer/step_replay.html.md"""
 
