@@ -140,14 +140,21 @@ def _learner_scales(search_scales, model, X) -> dict[str, torch.Tensor]:
     return scales
 
 
+@functools.cache
+def _baseline():
+    """The calibration inputs, float32's next-token log-probabilities on the evaluation texts, and
+    their agreement with int8 weights (one scale per output channel) without scales."""
+    model, tok, calib, evals = _smollm2_and_texts()
+    X, ref = calibration_inputs(model, calib), next_token_logp(model, evals)
+    plain_model = quantize_model(copy.deepcopy(model), group_size=None)
+    return X, ref, agreement(ref, next_token_logp(plain_model, evals))
+
+
 @exercise_check
 def check_awq(search_scales):
     "Exercise 8.4: AWQ-style scales, in the engine's int8 method, measured by agreement and KL."
     model, tok, calib, evals = _smollm2_and_texts()
-    X = calibration_inputs(model, calib)
-    ref = next_token_logp(model, evals)
-    plain_model = quantize_model(copy.deepcopy(model), group_size=None)
-    plain = agreement(ref, next_token_logp(plain_model, evals))
+    X, ref, plain = _baseline()
     smoothed = smooth_model(copy.deepcopy(model), _learner_scales(search_scales, model, X))
     yours = agreement(ref, next_token_logp(quantize_model(smoothed, group_size=None), evals))
     said = (f"KL {yours['kl']:.5f} with your scales, {plain['kl']:.5f} without; agreement "
