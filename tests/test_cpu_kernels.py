@@ -6,13 +6,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from mini_infer.plugins.cpu.build import native_target
-from mini_infer.plugins.cpu.linear import (linear_kernels, pack_weight, pack_glu, linear_packed, linear_glu_packed, PackedMethod,
-                                       BF16_MIN_ROWS, bf16_kernels, pack_bf16, linear_bf16)
+from mini_infer.plugins.cpu.linear import linear_kernels, pack_weight, pack_glu, linear_packed, linear_glu_packed
+from mini_infer.plugins.cpu.bf16 import bf16_kernels, bf16_prefill, pack_bf16, linear_bf16
+from mini_infer.plugins.cpu.packed import BF16_MIN_ROWS, PackedMethod
 from mini_infer.plugins.cpu.attention import CPUAttention, paged_decode_kernel, paged_prefill_kernel, pool_zeros
 from mini_infer.plugins.cpu.backend import CPUBackend, KernelOps
 from mini_infer.engine.engine import EngineConfig
 from mini_infer.model.layers import LinearBase, ColumnLinear, GateUpLinear, LinearMethod
-from mini_infer.model.model import RotaryEmbedding, ModelConfig, TORCH_OPS
+from mini_infer.model.model import CausalLM, RotaryEmbedding, ModelConfig, TORCH_OPS
 from mini_infer.engine.memory_plan import weights_bytes
 from mini_infer.model.loader import load_safetensors
 from mini_infer.engine.kv_cache import PagedKVCache
@@ -300,12 +301,6 @@ def test_pool_zeros():
 needs_bf16 = pytest.mark.skipif(bf16_kernels() is None, reason="no bf16 dot products (AVX512_BF16) on this CPU")
 
 
-@pytest.fixture
-def bf16_on(monkeypatch):
-    "The engine's bf16 products asked for ($MINI_INFER_BF16=1; off by default)."
-    monkeypatch.setenv("MINI_INFER_BF16", "1")
-
-
 def _bf16_bound(x, W, b=None):
     "Rounding both inputs of each product to bf16, then float32 sums: the elementwise error bound."
     K, u, ub = x.shape[-1], 2.0 ** -24, 2.0 ** -8
@@ -315,7 +310,7 @@ def _bf16_bound(x, W, b=None):
 
 @needs_bf16
 @pytest.mark.parametrize("M,N,K", [(1, 70, 33), (64, 100, 48), (300, 197, 576), (193, 32, 1536)])
-def test_bf16_products_within_their_error_bound(M, N, K, bf16_on):
+def test_bf16_products_within_their_error_bound(M, N, K):
     "Odd K, partial panels, an odd panel left over, a partial block of rows: within the bound; SwiGLU as from rounded inputs."
     nb = linear_kernels().packed_block()
     g = torch.Generator().manual_seed(M)
@@ -331,7 +326,7 @@ def test_bf16_products_within_their_error_bound(M, N, K, bf16_on):
 
 
 @needs_bf16
-def test_bf16_several_outputs_and_bad_input(bf16_on):
+def test_bf16_several_outputs_and_bad_input():
     nb = linear_kernels().packed_block()
     Ws = [torch.randn(n, 48) for n in (70, 32, 5)]
     packed = pack_bf16(torch.cat([pack_weight(W, nb) for W in Ws]))
@@ -346,20 +341,42 @@ def test_bf16_several_outputs_and_bad_input(bf16_on):
 
 
 @needs_bf16
-def test_packed_method_takes_bf16_for_long_steps_only(monkeypatch, bf16_on):
+def test_packed_method_takes_bf16_for_long_steps_only():
     "Short steps: the float32 bits as before; long steps: bf16 within the bound; the off switch; a weight change is seen."
     layer = LinearBase(96, [80], bias=False)
     W = layer.weight.detach().clone()
-    layer.set_method(PackedMethod())
+    layer.set_method(PackedMethod(bf16=True))
     short, long = torch.randn(BF16_MIN_ROWS - 1, 96), torch.randn(BF16_MIN_ROWS, 96)
     with torch.inference_mode():
         assert torch.equal(layer(short), linear_packed(short, layer.weight, 80))
         y = layer(long)
         assert not torch.equal(y, linear_packed(long, layer.weight, 80))
         assert ((y.double() - long.double() @ W.double().T).abs() <= _bf16_bound(long, W)).all()
-        monkeypatch.delenv("MINI_INFER_BF16")   # the default: float32 products for every step
+        layer.set_method(PackedMethod())          # the default: float32 products for every step
         assert torch.equal(layer(long), linear_packed(long, layer.weight, 80))
-        monkeypatch.setenv("MINI_INFER_BF16", "1")
+        layer.set_method(PackedMethod(bf16=True))
         with torch.no_grad(): layer.weight.mul_(-1)
         layer.weights_version += 1   # what set_weights and the quantizers do
         torch.testing.assert_close(layer(long), -y)
+
+
+def test_prefill_dtype_is_an_engine_option():
+    "`prefill_dtype` picks the long steps' products: float32 by default, bf16 where asked and the CPU has them."
+    import dataclasses
+    from mini_infer.plugins.cpu.backend import prefill_dtype
+
+    @dataclasses.dataclass
+    class Config(EngineConfig):   # EngineConfig with the proposed field, until chapter 3 has it
+        prefill_dtype: str = "float32"
+
+    assert prefill_dtype(None) == prefill_dtype(EngineConfig()) == "float32"
+    assert not bf16_prefill("float32")
+    assert bf16_prefill("bfloat16") == (bf16_kernels() is not None)
+    assert bf16_prefill("auto") == (bf16_kernels() is not None and "__AMX_BF16__" in native_target(os.environ.get("CC", "cc")))
+    with pytest.raises(ValueError, match="choose from float32, bfloat16, auto"): bf16_prefill("fp8")
+    torch.manual_seed(0)
+    for dtype in ("float32", "bfloat16"):
+        model = CausalLM(attn_cfg(layers=2), max_positions=64).eval()
+        CPUBackend().prepare(model, Config(enforce_eager=True, prefill_dtype=dtype))
+        bf16 = [layer.method.bf16 for layer in model.linear_layers()]
+        assert bf16 == [dtype == "bfloat16" and bf16_kernels() is not None] * len(bf16)

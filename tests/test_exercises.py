@@ -111,8 +111,9 @@ def test_08_rounding_rms_wrong():
     half_step = (s.pow(2).mean().sqrt() / 2).item()          # the bound, not the typical error
     wrong = check_rounding_rms(half_step, W)
     assert wrong.ok is False and "√12" in wrong.message
-    mean_s = (s.mean() / 12 ** 0.5).item() * 0.8             # a plainly low guess
-    assert check_rounding_rms(mean_s, W).ok is False
+    mean_s = check_rounding_rms((s.mean() / 12 ** 0.5).item(), W)    # the mean of s, not of s²
+    assert mean_s.ok is False and "s²" in mean_s.message
+    assert check_rounding_rms((s.pow(2).mean() / 12).sqrt().item(), W).ok is True   # written differently
     assert check_rounding_rms(None, W).ok is None
 
 
@@ -160,6 +161,53 @@ def test_08_int8_floor_wrong():
     assert wrong.ok is False and "scales" in wrong.message
     assert check_int8_floor(None, qmodel, bw).ok is None
 
+
+def test_08_awq():
+    "The AWQ-style search in the engine's int8 layers: solution and a variant lower the KL; two classic mistakes do not."
+    import torch
+    from mini_infer.course.exercises.ch08 import check_awq
+    from mini_infer.plugins.quant import dequantize_int8, quantize_int8
+    ns = solution("08_quantization.ipynb", "Exercise 8.4")
+    v = check_awq(ns["search_scales"])
+    assert v.ok is True and "KL" in v.message
+
+    def search(W, X, magnitude, divide=True, grid=10):
+        y, best = X @ W.T, None
+        for i in range(grid):
+            s = magnitude.pow(i / grid).clamp(min=1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            q, sc = quantize_int8(W * s)
+            err = (((X / s) if divide else X) @ dequantize_int8(q, sc).T - y).pow(2).mean().item()
+            best = (err, s) if best is None or err < best[0] else best
+        return best[1]
+    # written differently: the root mean square of each channel, a finer grid
+    assert check_awq(lambda W, X: search(W, X, X.pow(2).mean(0).sqrt(), grid=20)).ok is True
+    alpha_one = check_awq(lambda W, X: X.abs().mean(0).clamp(min=1e-4))          # no search: alpha = 1
+    assert alpha_one.ok is False and "worse" in alpha_one.message
+    no_divide = check_awq(lambda W, X: search(W, X, X.abs().mean(0), divide=False))
+    assert no_divide.ok is False and "divide X by s" in no_divide.message
+    def stub(W, X): raise NotImplementedError
+    assert check_awq(stub).ok is None
+
+
+def test_08_smooth_model_keeps_the_float_model():
+    "Smoothing folds 1/s into the norms and the up rows: in float the model computes the same."
+    import copy, torch
+    from mini_infer.model.model import CausalLM, ModelConfig, ContiguousKVCache, ContiguousStep
+    from mini_infer.plugins.quant import smooth_model
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, architecture="Qwen2ForCausalLM", max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = CausalLM(cfg, max_positions=64).eval()
+    g = torch.Generator().manual_seed(1)
+    scales = {f"layers.{i}.{name}": torch.rand(n, generator=g) + 0.5 for i in range(2)
+              for name, n in (("self_attn.qkv_proj", 64), ("mlp.gate_up_proj", 64), ("mlp.down_proj", 96))}
+    smoothed = smooth_model(copy.deepcopy(model), scales)
+    ids = torch.arange(10)
+    run = lambda m: m(ContiguousStep.tokens(ids, 0, last_only=False), ContiguousKVCache(cfg, 16))
+    torch.testing.assert_close(run(smoothed), run(model), rtol=1e-4, atol=1e-4)
+    assert not torch.equal(smoothed.model.layers[0].mlp.down_proj.weight, model.model.layers[0].mlp.down_proj.weight)
+
 # ---- chapter 07 ----
 
 def test_ch07_weight_floor():
@@ -176,7 +224,7 @@ def test_ch07_weight_floor():
 
 def test_ch07_intensity():
     from mini_infer.course.exercises.ch07 import check_intensity
-    ns = solution("07_cpu_kernels.ipynb", "Exercise 7.2", bandwidth=12.5)
+    ns = solution("07_cpu_kernels.ipynb", "Exercise 7.2", bandwidth=12.5, peak=300.0)
     assert check_intensity(ns["intensity"]).ok is True
     one_flop = check_intensity(lambda M, N, K: M * N * K / (4 * (N * K + M * K + M * N)))
     assert one_flop.ok is False and "2 FLOPs" in one_flop.message
@@ -203,10 +251,48 @@ def test_ch07_pack():
     assert wrong.ok is False and "panels of shape" in wrong.message
 
 
+def test_ch07_tile():
+    "The register tile, built into chapter 7's library and run by the engine: the solution and a variant are right."
+    from mini_infer.course.exercises.ch07 import check_tile
+    ns = solution("07_cpu_kernels.ipynb", "Exercise 7.4")
+    v = check_tile(ns["MY_TILE_C"])
+    assert v.ok is True and "same" in v.message
+    rows_outside = r"""
+static inline void tile(int R, const float *x, int64_t K, const float *w, float *y) {
+    for (int r = 0; r < R; r++) {           /* rows outside, k inside: each weight loaded R times */
+        vf a = {0}, b = {0};
+        for (int64_t k = 0; k < K; k++) {
+            vf w0, w1;
+            memcpy(&w0, w + k * NB, sizeof w0);
+            memcpy(&w1, w + k * NB + VL, sizeof w1);
+            a += x[r * K + k] * w0;
+            b += x[r * K + k] * w1;
+        }
+        memcpy(y + r * NB, &a, sizeof a);
+        memcpy(y + r * NB + VL, &b, sizeof b);
+    }
+}
+"""
+    assert check_tile(rows_outside).ok is True
+
+
+def test_ch07_tile_wrong():
+    "The mistakes of a first tile: one row stored, x read across rows, C that does not build; the stub."
+    from mini_infer.course.exercises.ch07 import check_tile
+    ns = solution("07_cpu_kernels.ipynb", "Exercise 7.4")
+    only_row0 = check_tile(ns["MY_TILE_C"].replace("memcpy(y, acc, R * sizeof acc[0]);", "memcpy(y, acc, sizeof acc[0]);"))
+    assert only_row0.ok is False and "row 1" in only_row0.message
+    strided = check_tile(ns["MY_TILE_C"].replace("x[r * K + k]", "x[k * R + r]"))
+    assert strided.ok is False and "x[r * K + k]" in strided.message
+    broken = check_tile("static inline void tile(int R) { }")
+    assert broken.ok is False and "does not build" in broken.message and "error" in broken.message
+    assert check_tile(None).ok is None
+
+
 def test_ch07_kv_read():
     from mini_infer.course.exercises.ch07b import check_kv_read
     args = dict(rows=32, context=1000, kv_heads=3, head_dim=64, bytes_per_value=2)
-    ns = solution("07b_cpu_attention.ipynb", "Exercise 7.4")
+    ns = solution("07b_cpu_attention.ipynb", "Exercise 7.5")
     assert check_kv_read(ns["prediction"], **args).ok is True
     float32 = check_kv_read(2 * 32 * 1000 * 3 * 64 * 4 / 1e6, **args)
     assert float32.ok is False and "factor of 2" in float32.message
@@ -215,21 +301,40 @@ def test_ch07_kv_read():
 
 
 def test_ch07_online_softmax():
+    "The online softmax over tiles, as the engine's attention: solution and a variant right, two mistakes wrong."
     import torch
     from mini_infer.course.exercises.ch07b import check_online_softmax
-    ns = solution("07b_cpu_attention.ipynb", "Exercise 7.5")
-    assert check_online_softmax(ns["attend_tiled"]).ok is True
-    def no_rescale(q, K, V, tile):    # a running maximum, but the old sums are not rescaled when it rises
-        m, l, o = float("-inf"), 0.0, torch.zeros(V.shape[1])
-        for j in range(0, len(K), tile):
-            s = K[j : j + tile] @ q
+    ns = solution("07b_cpu_attention.ipynb", "Exercise 7.6")
+    v = check_online_softmax(ns["attend_tiled"])
+    assert v.ok is True and "same" in v.message
+    def by_logsumexp(q, tiles):      # written differently: each tile's log-sum-exp, merged
+        lse = o = None
+        for K, V in tiles:
+            s = K @ q
+            t, po = torch.logsumexp(s, 0), torch.softmax(s, 0) @ V
+            if lse is None:
+                lse, o = t, po
+            else:
+                new = torch.logaddexp(lse, t)
+                o, lse = o * torch.exp(lse - new) + po * torch.exp(t - new), new
+        return o
+    assert check_online_softmax(by_logsumexp).ok is True
+    def no_rescale(q, tiles):    # a running maximum, but the old sums are not rescaled when it rises
+        m, l, o = float("-inf"), 0.0, 0.0
+        for K, V in tiles:
+            s = K @ q
             m = max(m, s.max().item())
             p = torch.exp(s - m)
-            l, o = l + p.sum(), o + p @ V[j : j + tile]
+            l, o = l + p.sum(), o + p @ V
         return o / l
     wrong = check_online_softmax(no_rescale)
     assert wrong.ok is False and "old max" in wrong.message
-    def stub(q, K, V, tile):
+    def all_at_once(q, tiles):   # the plain formula over the tiles kept: they share one buffer
+        K, V = (torch.cat(t) for t in zip(*tiles))
+        return torch.softmax(K @ q, 0) @ V
+    wrong = check_online_softmax(all_at_once)
+    assert wrong.ok is False and "overwrites" in wrong.message
+    def stub(q, tiles):
         raise NotImplementedError
     assert check_online_softmax(stub).ok is None
 
@@ -237,7 +342,7 @@ def test_ch07_online_softmax():
 def test_ch07_plan():
     from mini_infer.course.exercises.ch07b import check_plan
     lens = [1, 1, 1, 5, 9, 10, 40]
-    ns = solution("07b_cpu_attention.ipynb", "Exercise 7.6")
+    ns = solution("07b_cpu_attention.ipynb", "Exercise 7.7")
     assert check_plan(ns["prediction"], lens).ok is True
     rows_not_tokens = check_plan((5, 2), lens)
     assert rows_not_tokens.ok is False and "SHORT_ROW" in rows_not_tokens.message
@@ -248,7 +353,7 @@ def test_ch07_plan():
 def test_ch07_rms_norm():
     import torch
     from mini_infer.course.exercises.ch07c import check_rms_norm
-    ns = solution("07c_step_replay.ipynb", "Exercise 7.7")
+    ns = solution("07c_step_replay.ipynb", "Exercise 7.8")
     assert check_rms_norm(ns["rms_norm"]).ok is True
     no_eps = check_rms_norm(lambda x, w, eps: x / x.pow(2).mean(-1, keepdim=True).sqrt() * w)
     assert no_eps.ok is False and "eps" in no_eps.message
@@ -262,7 +367,7 @@ def test_ch07_rms_norm():
 def test_ch07_replayed():
     from mini_infer.course.exercises.ch07c import check_replayed
     steps = [[1] * 16, [1] * 17, [4, 4, 4, 4], [10], [1, 1, 9, 5], [3] * 6, [5] * 13, [1] * 70]
-    ns = solution("07c_step_replay.ipynb", "Exercise 7.8")
+    ns = solution("07c_step_replay.ipynb", "Exercise 7.9")
     assert check_replayed(ns["prediction"], steps).ok is True
     rows_only = check_replayed([True, True, True, True, True, True, False, False], steps)   # forgot a limit
     assert rows_only.ok is False and "no row of more than 9" in rows_only.message
@@ -270,9 +375,38 @@ def test_ch07_replayed():
     assert check_replayed(None, steps).ok is None
 
 
+def test_ch07_fill():
+    "A step into a recording, replayed by the engine's cpu backend: solution and a variant right, two mistakes wrong."
+    from mini_infer.course.exercises.ch07c import check_fill
+    ns = solution("07c_step_replay.ipynb", "Exercise 7.10")
+    v = check_fill(ns["fill"])
+    assert v.ok is True and "same greedy tokens" in v.message
+
+    def copies(inputs, x, cos, sin, step, scratch, pad=True, lens=True):
+        gx, gcos, gsin, cache, gstep = inputs
+        T, p, gp = len(x), step.attn, gstep.attn
+        gx[:T], gcos[:T], gsin[:T] = x, cos, sin
+        gstep.slot_mapping[:T] = step.slot_mapping
+        gp.decode_tables[:T].zero_()
+        gp.decode_tables[:T, : p.decode_tables.shape[1]] = p.decode_tables
+        if lens:
+            gp.decode_lens[:T] = p.decode_lens
+        if pad:
+            for r in range(T, len(gx)):          # written differently: row by row
+                gstep.slot_mapping[r], gp.decode_tables[r, 0], gp.decode_lens[r] = scratch * cache.block_size, scratch, 1
+    assert check_fill(copies).ok is True
+    no_padding = check_fill(lambda *a: copies(*a, pad=False))
+    assert no_padding.ok is False and "padding rows" in no_padding.message and "scratch" in no_padding.message
+    no_lens = check_fill(lambda *a: copies(*a, lens=False))
+    assert no_lens.ok is False and "decode_lens" in no_lens.message
+    def stub(inputs, x, cos, sin, step, scratch):
+        raise NotImplementedError
+    assert check_fill(stub).ok is None
+
+
 def test_ch07_recorded_calls():
     from mini_infer.course.exercises.ch07c import check_recorded_calls
-    ns = solution("07c_step_replay.ipynb", "Exercise 7.9")
+    ns = solution("07c_step_replay.ipynb", "Exercise 7.11")
     assert check_recorded_calls(ns["prediction"], n_layers=30).ok is True
     per_token = check_recorded_calls((360, 16 * 360), n_layers=30)
     assert per_token.ok is False and "does not grow" in per_token.message
