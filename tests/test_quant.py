@@ -11,10 +11,11 @@ from mini_infer.engine.llm import LLM, run_to_completion
 from mini_infer.model.model import CausalLM, ModelConfig
 from mini_infer.engine.attention import TorchAttention
 from mini_infer.model.layers import GateUpLinear, LinearBase, QKVLinear
-from mini_infer.plugins.cpu.linear import linear_packed, pack_weight, linear_glu_packed, pack_glu
+from mini_infer.plugins.cpu.linear import linear_packed, pack_weight, linear_glu_packed, pack_glu, unpack_panels
 from mini_infer.plugins.cpu.attention import paged_decode_kernel
-from mini_infer.plugins.quant import (Int8KVAttention, Int8Method, dequantize_int8, dequantize_kv, int8_attention_kernels, int8_kernels,
-                              linear_int8, paged_decode_int8, panel_width, quantize_int8, quantize_kv, quantize_model, unpack_panels)
+from mini_infer.plugins.cpu.int8 import int8_attention_kernels, int8_kernels, paged_decode_int8
+from mini_infer.plugins.quant import (Int8KVAttention, Int8Method, dequantize_int8, dequantize_kv, linear_int8, panel_width,
+                                      quantize_int8, quantize_kv, quantize_model)
 from mini_infer.engine.reference import generate
 from mini_infer.engine.sampling import SamplingParams
 
