@@ -168,6 +168,25 @@ def test_block_table_append_slots_free():
     assert (t.blocks, t.num_tokens, a.num_free) == ([], 0, 5)
 
 
+def test_block_table_share_and_remap():
+    "`share` appends full blocks that hold the next tokens (one more owner each); `remap` swaps a twin in."
+    a, S = BlockAllocator(6), 4
+    first, second = BlockTable(S), BlockTable(S)
+    assert first.append(8, a)                                    # two full blocks
+    second.share(first.blocks, a)                                # a second sequence starts after them
+    assert (second.blocks, second.num_tokens) == (first.blocks, 8)
+    assert [a.ref_counts[b] for b in first.blocks] == [2, 2] and a.num_used == 2
+    assert second.append(3, a) and len(second.blocks) == 3       # then grows on its own
+    with pytest.raises(ValueError, match="partly filled"): second.share(first.blocks[:1], a)
+    with pytest.raises(ValueError, match="already free"): BlockTable(S).share([5], a)   # a free block
+    twin = a.allocate(1)[0]                                       # an identical copy of its third block
+    a.free([second.blocks[2]]); second.remap(2, twin)             # the caller moves the reference
+    assert second.blocks[2] == twin and a.num_used == 3
+    with pytest.raises(ValueError, match="no logical block"): second.remap(3, twin)
+    second.free(a); first.free(a)
+    assert a.num_free == 6
+
+
 class AllocatorMachine(RuleBasedStateMachine):
     "Random interleavings of sequences growing, sharing blocks, and finishing."
     @initialize(num_blocks=st.integers(1, 40), block_size=st.sampled_from([1, 2, 4, 16]))

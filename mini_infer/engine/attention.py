@@ -187,7 +187,8 @@ class TorchAttention(AttentionBackend):
     def _workspace(self, k_pool, n: int):
         ws = self._ws
         if ws is None or ws.shape[1] < n or (ws.dtype, ws.device) != (k_pool.dtype, k_pool.device):
-            self._ws = torch.empty((2, n) + k_pool.shape[1:], device=k_pool.device, dtype=k_pool.dtype)
+            shape = (2, n) + k_pool.shape[1:]
+            self._ws = torch.empty(shape, device=k_pool.device, dtype=k_pool.dtype)
         return self._ws[0, :n], self._ws[1, :n]
 
     def attend(self, q, k_pool, v_pool, k, v, step: StepInputs) -> torch.Tensor:

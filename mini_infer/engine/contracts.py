@@ -1,4 +1,4 @@
-"""The engine's extension points, written down: each kind of plug-in as a `typing.Protocol`, the plain data one step passes between its phases, and one registry where plug-ins register by name.
+"""The engine's extension points written down: a Protocol per plug-in kind, the step's plain data.
 
 Docs: https://mini-infer.github.io/mini-infer/contracts.html.md"""
 
@@ -156,7 +156,8 @@ class KVManager(Protocol):
     block_size: int
 
     def computed_tokens(self, seq) -> int:
-        "Blocks already computed for the sequence's next tokens, taken now: how many tokens they add."
+        """Blocks already computed for the sequence's next tokens, taken now: how many tokens
+        they add."""
 
     def allocate_slots(self, seq, num_tokens: int, num_lookahead: int = 0) -> int | None:
         "Slots for the next tokens (and guesses): how many got them, or None, changing nothing."
