@@ -37,6 +37,8 @@ class EngineConfig(SchedulerConfig):
     enable_prefix_caching: bool = (
         True  # share the KV blocks of common prefixes between requests (chapter 4)
     )
+    # the KV manager by name; None: "prefix_caching" with `enable_prefix_caching`, else "plain"
+    kv_manager: str | None = None
     backend: str = (
         "auto"  # "torch", "cpu" (chapter 7's C kernels), or "auto": the fastest that runs here
     )
@@ -67,6 +69,8 @@ class EngineConfig(SchedulerConfig):
             lookup("constraints", self.structured_outputs)
         if self.backend != "auto":
             lookup("backend", self.backend)
+        if self.kv_manager is not None:
+            lookup("kv_manager", self.kv_manager)
         for k in ("tensor_parallel_size", "data_parallel_size"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
@@ -119,7 +123,7 @@ class LLMEngine:
         run_step = self._prepare(model, cfg.quantization)  # what runs one step of the model
         self.cache = self._make_cache(run_step)  # the KV pool, sized by the memory plan
         num_blocks = self.cache.num_blocks
-        kv_manager = "prefix_caching" if cfg.enable_prefix_caching else "plain"
+        kv_manager = cfg.kv_manager or ("prefix_caching" if cfg.enable_prefix_caching else "plain")
         self.kv = lookup("kv_manager", kv_manager)(num_blocks, cfg.block_size)
         proposer = self._proposer(num_blocks)  # NoProposer, or chapter 5's
         policy = lookup("policy", cfg.policy)
