@@ -64,6 +64,24 @@ def test_fast_decode_paths_equal_reference(seed):
         torch.testing.assert_close(paged_decode_flash(q, kp, vp, blocks, mask, chunk), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_torch_attention_takes_a_decode_function():
+    "A function with `paged_decode_flash`'s first five arguments serves the decode rows (the exercises plug theirs in)."
+    from functools import partial
+    cfg = attn_cfg(9, 3, 64, layers=1)
+    calls = []
+
+    def decode(q, k_pool, v_pool, blocks, mask):
+        calls.append(len(q))
+        return paged_decode_flash(q, k_pool, v_pool, blocks, mask, 1)
+    cache, rows, q, k, v, fk, fv = random_paged_step(cfg, 12, 16, (1, 100), chunk_rows=(3,), seed=5,
+                                                     backend=TorchAttention(decode))
+    step = cache.make_step(rows)
+    out = cache.attend(0, q, k, v, step)
+    torch.testing.assert_close(out, attention_by_row(q, fk, fv, rows), atol=1e-5, rtol=1e-5)
+    assert sum(calls) == step.num_decodes < len(rows)            # every decode row, no prompt chunk
+    with pytest.raises(ValueError, match="or a function"): TorchAttention("flashy")
+
+
 def test_torch_plan_groups_decode_rows_by_length():
     cfg = attn_cfg(4, 2, 16, layers=1)
     cache, rows, *_ = random_paged_step(cfg, 20, 4, (1, 100), seed=3, backend=TorchAttention("gather", decode_group=8))

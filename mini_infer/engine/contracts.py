@@ -150,7 +150,10 @@ class ComputeBackend(Protocol):
 # %% ../../nbs/00_contracts.ipynb #4ed850a8
 @runtime_checkable
 class KVManager(Protocol):
-    "Which blocks of the pool each sequence holds, as the scheduler asks for them (chapter 3)."
+    """Which blocks of the pool each sequence holds, as the scheduler asks for them (chapter 3). It
+    changes a sequence's block table only through `BlockTable`'s methods (`append`, `truncate`,
+    `free`; `share` and `remap` for blocks shared between sequences) and writes no other field of
+    a sequence."""
 
     allocator: Any  # the pool's `BlockAllocator`
     block_size: int
@@ -176,7 +179,8 @@ class KVManager(Protocol):
 
 
 class Policy(Protocol):
-    "The order of the waiting queue (chapter 3's `fcfs`; chapter 4's `longest_prefix`)."
+    """The order of the waiting queue (chapter 3's `fcfs`; chapter 4's `longest_prefix`): the same
+    requests, as a `deque` (the scheduler puts a preempted request back at its front)."""
 
     def __call__(self, waiting: deque, kv: KVManager) -> deque: ...
 
