@@ -195,3 +195,25 @@ def test_half_precision_engine_equals_its_reference(dtype):
         if dtype == torch.bfloat16:
             eng = LLMEngine(model, NoText(), num_blocks=64, block_size=4, backend="cpu", **kw)
             assert_greedy_close(ref, run_to_completion(eng, prompts, params))
+
+def test_kv_manager_by_name(llm):
+    "The KV manager is a plug-in chosen by name; by default the prefix cache's, or the plain one without it."
+    from mini_infer.engine.engine import EngineConfig
+    from mini_infer.engine.scheduler import KVManager
+    assert type(engine(llm, kv_manager="plain").kv) is KVManager
+    assert type(engine(llm, enable_prefix_caching=False).kv) is KVManager
+    assert type(engine(llm).kv) is not KVManager
+    with pytest.raises(ValueError, match="unknown kv manager 'lifo'"): EngineConfig(kv_manager="lifo")
+
+
+def test_chapter_3s_naive_loop_equals_the_reference():
+    "The 30-line continuous-batching loop that chapter 3 grows into the scheduler: chapter 1's tokens, seats reused."
+    from mini_infer.course.teaching import continuous_batching, tiny_model, TokenIds
+    model = tiny_model()
+    prompts = [[(5 * i + j) % 200 + 3 for j in range(n)] for i, n in enumerate((7, 20, 3, 15, 9))]
+    lens = [5, 12, 8, 3, 10]
+    ref = generate(model, TokenIds(), prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in lens])
+    got = continuous_batching(model, prompts, lens, num_blocks=20, block_size=4, max_running=2)
+    assert got == [r.token_ids for r in ref]
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        continuous_batching(model, prompts, lens, num_blocks=2, block_size=4)

@@ -416,62 +416,192 @@ def test_ch07_recorded_calls():
 
 # ---- chapter 02 ----
 
-def test_02_slot():
-    from mini_infer.course.exercises.ch02 import check_slot
-    assert check_slot(solution("02_paged_cache.ipynb", "Exercise 2.1")["slot"]).ok is True
-    wrong = check_slot(lambda blocks, p, S: blocks[p // S] + p % S)
-    assert wrong.ok is False and "b * S" in wrong.message
-    assert check_slot(lambda blocks, p, S: blocks[p % S] * S + p // S).ok is False
-
-    def stub(blocks, p, S):
-        raise NotImplementedError
-    assert check_slot(stub).ok is None
-
-
-def test_02_kv_bytes():
+def test_02_append():
     import torch
-    from mini_infer.model.model import ModelConfig
-    from mini_infer.course.exercises.ch02 import check_kv_bytes
-    llama8b = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                          num_attention_heads=32, num_key_value_heads=8)
-    ns = solution("02_paged_cache.ipynb", "Exercise 2.2")
-    assert check_kv_bytes(ns["prediction"], llama8b, torch.bfloat16).ok is True
-    gqa = check_kv_bytes(2 * 32 * 32 * 128 * 2, llama8b, torch.bfloat16)   # every query head counted
-    assert gqa.ok is False and "KV heads" in gqa.message
-    half = check_kv_bytes(32 * 8 * 128 * 2, llama8b, torch.bfloat16)      # K only
-    assert half.ok is False and "K and V" in half.message
-    assert check_kv_bytes(ns["prediction"], llama8b, torch.float32).ok is False   # the dtype counts
-    assert check_kv_bytes(None, llama8b).ok is None
+    from mini_infer.course.exercises.ch02 import check_append
+    assert check_append(solution("02_paged_cache.ipynb", "Exercise 2.1")["append"]).ok is True
+
+    def one_block_at_a_time(table, n_new, allocator):   # a correct variant: blocks one by one, rolled back
+        got = []
+        while (len(table.blocks) + len(got)) * table.block_size < table.num_tokens + n_new:
+            b = allocator.allocate(1)
+            if b is None:
+                allocator.free(got)
+                return False
+            got += b
+        table.blocks, table.num_tokens = table.blocks + got, table.num_tokens + n_new
+        return True
+    assert check_append(one_block_at_a_time).ok is True
+
+    def ignores_the_last_block(table, n_new, allocator):   # a fresh block for every append
+        new = allocator.allocate(-(-n_new // table.block_size))
+        if new is None:
+            return False
+        table.blocks += new
+        table.num_tokens += n_new
+        return True
+    wrong = check_append(ignores_the_last_block)
+    assert wrong.ok is False and "room for 2 more" in wrong.message
+
+    def not_all_or_nothing(table, n_new, allocator):    # counts the tokens before it knows
+        table.num_tokens += n_new
+        need = -(-table.num_tokens // table.block_size) - len(table.blocks)
+        new = allocator.allocate(max(need, 0))
+        if new is None:
+            return False
+        table.blocks += new
+        return True
+    wrong = check_append(not_all_or_nothing)
+    assert wrong.ok is False and "change nothing" in wrong.message
+
+    def leaks_when_short(table, n_new, allocator):      # keeps the blocks it got before failing
+        need = table.blocks_needed(n_new)
+        new = [b for _ in range(need) for b in (allocator.allocate(1) or [])]
+        if len(new) < need:
+            return False
+        table.blocks += new
+        table.num_tokens += n_new
+        return True
+    wrong = check_append(leaks_when_short)
+    assert wrong.ok is False and "change nothing" in wrong.message
+
+    def floor(table, n_new, allocator):                 # rounds the blocks down
+        need = (table.num_tokens + n_new) // table.block_size - len(table.blocks)
+        new = allocator.allocate(max(need, 0))
+        if new is None:
+            return False
+        table.blocks += new
+        table.num_tokens += n_new
+        return True
+    assert check_append(floor).ok is False
+
+    def stub(table, n_new, allocator):
+        raise NotImplementedError
+    assert check_append(stub).ok is None
 
 
-def test_02_utilisation():
-    from mini_infer.course.exercises.ch02 import check_utilisation
-    ns = solution("02_paged_cache.ipynb", "Exercise 2.3")
-    assert check_utilisation(ns["prediction"], ns["workload"], ns["S"]).ok is True
-    assert check_utilisation(520 / 704, ns["workload"], 64).ok is True
-    pct = check_utilisation(92.9, ns["workload"], 16)
-    assert pct.ok is False and "fraction" in pct.message
-    whole = check_utilisation(1.0, ns["workload"], 16)   # as if pages wasted nothing
-    assert whole.ok is False and "last block" in whole.message
-    assert check_utilisation(520 / 704, ns["workload"], 16).ok is False
-    assert check_utilisation(None, ns["workload"], 16).ok is None
+def test_02_append_in_the_engine_catches_a_leak():
+    "A leak the small-table probe cannot see (only past 20 blocks) is caught at the engine step where it happens."
+    from mini_infer.course.exercises import ch02
+    from mini_infer.engine.block_manager import BlockTable
+    calls = []
+
+    def leaks_later(table, n_new, allocator):
+        calls.append(1)
+        ok = BlockTable.append(table, n_new, allocator)
+        if ok and len(calls) == 40:
+            allocator.allocate(1)   # one block taken and never put in a table
+        return ok
+    wrong = ch02.check_append(leaks_later)
+    assert wrong.ok is False and "leaked" in wrong.message and "after step" in wrong.message
+
+
+def test_02_gather():
+    import torch
+    from mini_infer.course.exercises.ch02 import check_gather
+    assert check_gather(solution("02_paged_cache.ipynb", "Exercise 2.2", torch=torch)["gather"]).ok is True
+    by_block = lambda pool, blocks, n: torch.cat([pool[b] for b in blocks.tolist()])[:n]   # a correct variant
+    assert check_gather(by_block).ok is True
+    uncut = check_gather(lambda pool, blocks, n: pool[blocks].flatten(0, 1))            # the last block's tail too
+    assert uncut.ok is False and "cut at n" in uncut.message
+    first_blocks = check_gather(lambda pool, blocks, n: pool[: len(blocks)].flatten(0, 1)[:n])   # ignores the table
+    assert first_blocks.ok is False and "offset p % S" in first_blocks.message
+    transposed = check_gather(lambda pool, blocks, n: pool[blocks].transpose(0, 1).flatten(0, 1)[:n])
+    assert transposed.ok is False
+
+    def stub(pool, blocks, n):
+        raise NotImplementedError
+    assert check_gather(stub).ok is None
+
+
+def test_02_online_softmax():
+    import torch
+    from mini_infer.course.exercises.ch02 import check_online_softmax
+    assert check_online_softmax(solution("02_paged_cache.ipynb", "Exercise 2.3", torch=torch)["update"]).ok is True
+
+    def two_steps(m, l, acc, s, v):                     # a correct variant: rescale first, then add
+        m_new = torch.max(torch.cat([m, s], -1), -1, keepdim=True).values
+        scale = torch.exp(m - m_new)
+        l, acc = l * scale, acc * scale
+        p = torch.exp(s - m_new)
+        return m_new, l + p.sum(-1, keepdim=True), acc + torch.matmul(p, v)
+    assert check_online_softmax(two_steps).ok is True
+
+    def no_rescale(m, l, acc, s, v):                    # forgets that the old sums were taken against m
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        p = torch.exp(s - m_new)
+        return m_new, l + p.sum(-1, keepdim=True), acc + p @ v
+    wrong = check_online_softmax(no_rescale)
+    assert wrong.ok is False and "rescale" in wrong.message
+
+    def no_max(m, l, acc, s, v):                        # plain exp: overflows on large scores
+        p = torch.exp(s)
+        return m, l + p.sum(-1, keepdim=True), acc + p @ v
+    wrong = check_online_softmax(no_max)
+    assert wrong.ok is False and "subtract the running max" in wrong.message
+
+    def rescales_l_only(m, l, acc, s, v):
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        p, corr = torch.exp(s - m_new), torch.exp(m - m_new)
+        return m_new, l * corr + p.sum(-1, keepdim=True), acc + p @ v
+    assert check_online_softmax(rescales_l_only).ok is False
+
+    def stub(m, l, acc, s, v):
+        raise NotImplementedError
+    assert check_online_softmax(stub).ok is None
 
 
 # ---- chapter 03 ----
 
-def test_03_shortest_prompt_first():
+def test_03_policy_in_the_engine():
     from collections import deque
-    from mini_infer.course.exercises.ch03 import check_shortest_prompt_first
-    ns = solution("03_continuous_batching.ipynb", "Exercise 3.1", deque=deque)
-    assert check_shortest_prompt_first(ns["shortest_prompt_first"]).ok is True
-    longest = check_shortest_prompt_first(lambda w, kv: deque(sorted(w, key=lambda s: -len(s.prompt_ids))))
+    from mini_infer.engine.registry import register
+    from mini_infer.course.exercises.ch03 import check_policy
+    solution("03_continuous_batching.ipynb", "Exercise 3.1", deque=deque, register=register)
+    right = check_policy("shortest_prompt_first")
+    assert right.ok is True and "preemptions" in right.message and not right.message.startswith("0 ")
+
+    def pick_shortest(waiting, kv):                      # a correct variant: selection, not sorted()
+        rest, out = list(waiting), deque()
+        while rest:
+            best = min(range(len(rest)), key=lambda i: (len(rest[i].prompt_ids), i))
+            out.append(rest.pop(best))
+        return out
+    register("policy", "test_pick_shortest")(pick_shortest)
+    assert check_policy("test_pick_shortest").ok is True
+
+    register("policy", "test_list")(lambda w, kv: sorted(w, key=lambda s: len(s.prompt_ids)))
+    as_list = check_policy("test_list")                  # passes a sort check, crashes at the first preemption
+    assert as_list.ok is False and "appendleft" in as_list.message
+    register("policy", "test_longest")(lambda w, kv: deque(sorted(w, key=lambda s: -len(s.prompt_ids))))
+    longest = check_policy("test_longest")
     assert longest.ok is False and "shortest prompts first" in longest.message
-    unstable = check_shortest_prompt_first(lambda w, kv: deque(sorted(w, key=lambda s: (len(s.prompt_ids), -ord(s.request_id)))))   # later arrivals first among equals
+    register("policy", "test_unstable")(lambda w, kv: deque(sorted(w, key=lambda s: (len(s.prompt_ids), -ord(s.request_id[0])))))
+    unstable = check_policy("test_unstable")             # later arrivals first among equals
     assert unstable.ok is False and "first come first served" in unstable.message
+
+    def sorts_in_place(waiting, kv):                     # sorts, but returns nothing
+        items = sorted(waiting, key=lambda s: len(s.prompt_ids))
+        waiting.clear(); waiting.extend(items)
+    register("policy", "test_none")(sorts_in_place)
+    assert check_policy("test_none").ok is False
 
     def stub(waiting, kv):
         raise NotImplementedError
-    assert check_shortest_prompt_first(stub).ok is None
+    register("policy", "test_stub")(stub)
+    assert check_policy("test_stub").ok is None
+    assert check_policy("never_registered").ok is False
+
+
+def test_03_policy_order_is_checked_in_the_engine():
+    "A policy right on the small probe but FCFS on longer queues is caught by the engine's admission order."
+    from collections import deque
+    from mini_infer.engine.registry import register
+    from mini_infer.course.exercises.ch03 import check_policy
+    register("policy", "test_short_queues_only")(
+        lambda w, kv: deque(sorted(w, key=lambda s: len(s.prompt_ids))) if len(w) <= 5 else w)
+    wrong = check_policy("test_short_queues_only")
+    assert wrong.ok is False and "admitted the requests" in wrong.message and "r4 (5)" in wrong.message
 
 
 def test_03_spf_ttft():

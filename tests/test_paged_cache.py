@@ -64,6 +64,24 @@ def test_fast_decode_paths_equal_reference(seed):
         torch.testing.assert_close(paged_decode_flash(q, kp, vp, blocks, mask, chunk), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_torch_attention_takes_a_decode_function():
+    "A function with `paged_decode_flash`'s first five arguments serves the decode rows (the exercises plug theirs in)."
+    from functools import partial
+    cfg = attn_cfg(9, 3, 64, layers=1)
+    calls = []
+
+    def decode(q, k_pool, v_pool, blocks, mask):
+        calls.append(len(q))
+        return paged_decode_flash(q, k_pool, v_pool, blocks, mask, 1)
+    cache, rows, q, k, v, fk, fv = random_paged_step(cfg, 12, 16, (1, 100), chunk_rows=(3,), seed=5,
+                                                     backend=TorchAttention(decode))
+    step = cache.make_step(rows)
+    out = cache.attend(0, q, k, v, step)
+    torch.testing.assert_close(out, attention_by_row(q, fk, fv, rows), atol=1e-5, rtol=1e-5)
+    assert sum(calls) == step.num_decodes < len(rows)            # every decode row, no prompt chunk
+    with pytest.raises(ValueError, match="or a function"): TorchAttention("flashy")
+
+
 def test_torch_plan_groups_decode_rows_by_length():
     cfg = attn_cfg(4, 2, 16, layers=1)
     cache, rows, *_ = random_paged_step(cfg, 20, 4, (1, 100), seed=3, backend=TorchAttention("gather", decode_group=8))
@@ -166,6 +184,25 @@ def test_block_table_append_slots_free():
     with pytest.raises(ValueError): t.truncate(7, a)              # cannot grow by truncating
     t.free(a)
     assert (t.blocks, t.num_tokens, a.num_free) == ([], 0, 5)
+
+
+def test_block_table_share_and_remap():
+    "`share` appends full blocks that hold the next tokens (one more owner each); `remap` swaps a twin in."
+    a, S = BlockAllocator(6), 4
+    first, second = BlockTable(S), BlockTable(S)
+    assert first.append(8, a)                                    # two full blocks
+    second.share(first.blocks, a)                                # a second sequence starts after them
+    assert (second.blocks, second.num_tokens) == (first.blocks, 8)
+    assert [a.ref_counts[b] for b in first.blocks] == [2, 2] and a.num_used == 2
+    assert second.append(3, a) and len(second.blocks) == 3       # then grows on its own
+    with pytest.raises(ValueError, match="partly filled"): second.share(first.blocks[:1], a)
+    with pytest.raises(ValueError, match="already free"): BlockTable(S).share([5], a)   # a free block
+    twin = a.allocate(1)[0]                                       # an identical copy of its third block
+    a.free([second.blocks[2]]); second.remap(2, twin)             # the caller moves the reference
+    assert second.blocks[2] == twin and a.num_used == 3
+    with pytest.raises(ValueError, match="no logical block"): second.remap(3, twin)
+    second.free(a); first.free(a)
+    assert a.num_free == 6
 
 
 class AllocatorMachine(RuleBasedStateMachine):

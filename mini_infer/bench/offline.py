@@ -325,12 +325,14 @@ def _limits(engine: LLMEngine, prompts, out_lens, ours: dict) -> tuple[dict, dic
     flops = workload_flops(m.config, list(map(len, prompts)), out_lens)
     ceiling = machine["matmul_gflops"] * 1e9 / (flops / ours["total_tokens"])
     body, head = weight_split(m.config)
-    decode_s = min(decode_latency(engine, prompts[0]) for _ in range(3))  # best of 3, as the read probe's best of 5
+    # best of 3, as the read probe's best of 5
+    decode_s = min(decode_latency(engine, prompts[0]) for _ in range(3))
     limits = dict(
         flops_per_token=flops / ours["total_tokens"],
         ceiling_total_tok_s=ceiling,
         fraction_of_ceiling=ours["total_tok_s"] / ceiling,
-        # above 1, the run went faster than the peak measured: the machine was busier during the probe
+        # above 1, the run went faster than the peak measured: the machine was busier during the
+        # probe
         probe_reliable=ours["total_tok_s"] <= ceiling,
         decode_ms=1e3 * decode_s,
         decode_floor_ms=1e3 * (body + head) * m.dtype.itemsize / (machine["read_gb_s"] * 1e9),

@@ -1,5 +1,4 @@
-"""The engine's extension points, written down: each kind of plug-in as a `typing.Protocol`, the
-plain data one step passes between its phases, and one registry where plug-ins register by name.
+"""The engine's extension points written down: a Protocol per plug-in kind, the step's plain data.
 
 Docs: https://mini-infer.github.io/mini-infer/contracts.html.md"""
 
@@ -155,13 +154,17 @@ class ComputeBackend(Protocol):
 # %% ../../nbs/00_contracts.ipynb #4ed850a8
 @runtime_checkable
 class KVManager(Protocol):
-    "Which blocks of the pool each sequence holds, as the scheduler asks for them (chapter 3)."
+    """Which blocks of the pool each sequence holds, as the scheduler asks for them (chapter 3). It
+    changes a sequence's block table only through `BlockTable`'s methods (`append`, `truncate`,
+    `free`; `share` and `remap` for blocks shared between sequences) and writes no other field of
+    a sequence."""
 
     allocator: Any  # the pool's `BlockAllocator`
     block_size: int
 
     def computed_tokens(self, seq) -> int:
-        "Blocks already computed for the sequence's next tokens, taken now: how many tokens they add."
+        """Blocks already computed for the sequence's next tokens, taken now: how many tokens
+        they add."""
 
     def allocate_slots(self, seq, num_tokens: int, num_lookahead: int = 0) -> int | None:
         "Slots for the next tokens (and guesses): how many got them, or None, changing nothing."
@@ -180,7 +183,8 @@ class KVManager(Protocol):
 
 
 class Policy(Protocol):
-    "The order of the waiting queue (chapter 3's `fcfs`; chapter 4's `longest_prefix`)."
+    """The order of the waiting queue (chapter 3's `fcfs`; chapter 4's `longest_prefix`): the same
+    requests, as a `deque` (the scheduler puts a preempted request back at its front)."""
 
     def __call__(self, waiting: deque, kv: KVManager) -> deque: ...
 

@@ -6,6 +6,7 @@ __all__ = ['EngineConfig', 'StepTrace', 'DraftContext', 'LLMEngine']
 # %% ../../nbs/03_continuous_batching.ipynb #9098d8d6
 import time, uuid
 from dataclasses import dataclass, field, replace
+from fastcore.basics import patch
 
 # %% ../../nbs/03_continuous_batching.ipynb #c6d1ea74
 from ..model.model import CausalLM
@@ -36,6 +37,8 @@ class EngineConfig(SchedulerConfig):
     enable_prefix_caching: bool = (
         True  # share the KV blocks of common prefixes between requests (chapter 4)
     )
+    # the KV manager by name; None: "prefix_caching" with `enable_prefix_caching`, else "plain"
+    kv_manager: str | None = None
     backend: str = (
         "auto"  # "torch", "cpu" (chapter 7's C kernels), or "auto": the fastest that runs here
     )
@@ -45,6 +48,9 @@ class EngineConfig(SchedulerConfig):
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8" (chapter 8)
     # "auto": grammars (chapter 10) where installed, for the requests that ask; None: none
     structured_outputs: str | None = "auto"
+    # products of long (prompt) steps on CPUs: "float32"; "bfloat16" (chapter 7's bf16 dot
+    # products where the CPU has them); "auto": bfloat16 where the CPU has AMX
+    prefill_dtype: str = "float32"
     speculative_config: dict | None = (
         None  # e.g. {"method": "ngram", "num_speculative_tokens": 4} (chapter 5)
     )
@@ -66,6 +72,12 @@ class EngineConfig(SchedulerConfig):
             lookup("constraints", self.structured_outputs, "structured_outputs", ("auto", "None"))
         if self.backend != "auto":
             lookup("backend", self.backend, "backend", ("auto",))
+        if self.kv_manager is not None:
+            lookup("kv_manager", self.kv_manager, "kv_manager")
+        if self.prefill_dtype not in ("float32", "bfloat16", "auto"):
+            raise ValueError(
+                f"unknown prefill_dtype {self.prefill_dtype!r}; choose from float32, bfloat16, auto"
+            )
         for k in ("tensor_parallel_size", "data_parallel_size"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
@@ -112,57 +124,17 @@ class LLMEngine:
     def __init__(
         self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None, **kwargs
     ):
-        self.tokenizer, self.config = tokenizer, (cfg := config or EngineConfig(**kwargs))
+        self.model, self.tokenizer = model, tokenizer
+        self.config = cfg = config or EngineConfig(**kwargs)
         self.backend = load_backend(cfg.backend, model.device, model.dtype)
-        self.model, run_step = model, self._prepare(model, cfg.quantization)
-        attention = self.backend.attention()
-        if cfg.kv_cache_dtype != "auto":
-            attention = lookup("attention", cfg.kv_cache_dtype)(attention)
-        # memory the step runner holds for its steps, made now and counted by the plan (chapter 7c)
-        activations = self.backend.reserve(run_step, attention, cfg.block_size)
-        plan = plan_memory(
-            model.config,
-            model.device,
-            model.dtype,
-            cfg.kv_cache_memory_gb,
-            cfg.gpu_memory_utilization,
-            cfg.block_size,
-            weights_bytes=weights_bytes(model),
-            token_bytes=attention.token_bytes(model.config, model.dtype),
-            kv_note=attention.note,
-            activation_bytes=activations,
-        )
-        self.memory = (
-            replace(plan, num_blocks=cfg.num_blocks)
-            if cfg.num_blocks
-            else plan.check(cfg.max_model_len or cfg.block_size)
-        )
-        num_blocks = self.memory.num_blocks
-        self.cache = PagedKVCache(
-            model.config, num_blocks, cfg.block_size, model.device, model.dtype, attention
-        )
-        kv_manager = "prefix_caching" if cfg.enable_prefix_caching else "plain"
+        run_step = self._prepare(model, cfg.quantization)  # what runs one step of the model
+        self.cache = self._make_cache(run_step)  # the KV pool, sized by the memory plan
+        num_blocks = self.cache.num_blocks
+        kv_manager = cfg.kv_manager or ("prefix_caching" if cfg.enable_prefix_caching else "plain")
         self.kv = lookup("kv_manager", kv_manager)(num_blocks, cfg.block_size)
-        proposer = NoProposer()
-        if cfg.speculative_config:
-            ctx = DraftContext(
-                model,
-                tokenizer,
-                self._prepare,
-                self.backend.attention,
-                num_blocks,
-                cfg.block_size,
-                self.backend.replay_limits,
-                self.memory.weights_bytes,
-            )
-            method = cfg.speculative_config.get("method")
-            if method is None:
-                raise ValueError("speculative_config needs a 'method' (ngram or draft_model)")
-            make = lookup("proposer", method, "speculative method")
-            proposer = make(cfg.speculative_config, ctx)
-        self.scheduler = Scheduler(
-            cfg, self.kv, proposer, lookup("policy", cfg.policy), self._constraints()
-        )
+        proposer = self._proposer(num_blocks)  # NoProposer, or chapter 5's
+        policy = lookup("policy", cfg.policy)
+        self.scheduler = Scheduler(cfg, self.kv, proposer, policy, self._constraints())
         self.runner = ModelRunner(
             run_step, self.cache, model.config.vocab_size, model.device, proposer.sampler
         )
@@ -173,69 +145,40 @@ class LLMEngine:
         self.trace: list[StepTrace] = []
         self.counters = dict(prompt_tokens_total=0, generation_tokens_total=0, steps_total=0)
 
-    def _prepare(self, model: CausalLM, quantization: str | None):
-        "Quantize `model` in place (chapter 8), set it up for the backend; what runs a step of it."
-        if quantization:
-            lookup("linear_method", quantization)(model, self.config)
-        return self.backend.prepare(model, self.config)
-
-    def _constraints(self):
-        "What masks the logits of requests that must follow a grammar (chapter 10), if any."
-        name = self.config.structured_outputs
-        if name == "auto":
-            name = next(iter(names("constraints")), None)
-        if name is None:
-            return NoConstraints()
-        return lookup("constraints", name)(self.tokenizer, self.model.config.vocab_size)
-
     @property
     def seqs(self) -> dict[str, Sequence]:
         "The requests in the engine, by id."
         return self.scheduler.requests
 
-    def add_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> str:
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> str:
         """Queue a request (text or token ids) and return its id; raises `InvalidRequest` if it
         can never run."""
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
-        ids, vocab = encode_prompt(self.tokenizer, prompt), self.model.config.vocab_size
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"the prompt has {len(ids)} tokens but this engine's context (and KV pool) holds "
-                f"at most {self.max_model_len - 1} prompt tokens",
-                param="prompt",
-                code="context_length_exceeded",
-            )
-        if max(ids) >= vocab or min(ids) < 0:
-            raise InvalidRequest(f"token ids must be in [0, {vocab})", param="prompt")
-        rid = request_id or uuid.uuid4().hex
-        if rid in self.seqs:
-            raise InvalidRequest(f"request id {rid!r} is already in use", param="request_id")
-        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
-            raise InvalidRequest(
-                f"cache_salt must be a non-empty string, got {cache_salt!r}", param="cache_salt"
-            )
-        seq = Sequence(
-            rid,
-            ids,
-            params,
-            self.tokenizer,
-            self.max_model_len,
-            self.config.block_size,
-            priority,
-            cache_salt,
-        )
-        self.scheduler.add(seq)
+        ids, rid = self._check_request(prompt, params, request_id, cache_salt)
+        self.scheduler.add(Sequence(rid, ids, params, self.tokenizer, self.max_model_len,
+                                    self.config.block_size, priority, cache_salt))
         self.counters["prompt_tokens_total"] += len(ids)
         return rid
+
+    def step(self) -> list[StepOutput]:
+        """Schedule, run one forward over the packed batch and sample, update the requests: what
+        each produced."""
+        t0 = time.perf_counter()
+        outputs, self.pending = self.pending, []
+        plan = self.scheduler.schedule()  # 1. which sequences, how many tokens, which blocks
+        decoding = [self.seqs[r.request_id].is_decoding for r in plan.scheduled]
+        # 2. one packed forward, then sampling (also with nothing to run: the runner forgets
+        # finished requests)
+        result = self.runner.execute(plan)
+        new = self.scheduler.update(plan, result)  # 3. the only code that changes a sequence
+        if plan.scheduled:
+            self.counters["generation_tokens_total"] += sum(len(o.new_token_ids) for o in new)
+            self.counters["steps_total"] += 1
+            if self.config.trace:
+                self._trace(plan, decoding, time.perf_counter() - t0)
+        return outputs + new
 
     def abort(self, request_id: str):
         "Cancel a request; its blocks are freed now. Unknown or finished ids are ignored."
@@ -246,54 +189,113 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.pending)
 
-    def step(self) -> list[StepOutput]:
-        """Schedule, run one forward over the packed batch and sample, update the requests: what
-        each produced."""
-        t0 = time.perf_counter()
-        outputs, self.pending = self.pending, []
-        plan = self.scheduler.schedule()
-        decoding = (
-            [self.seqs[r.request_id].is_decoding for r in plan.scheduled]
-            if self.config.trace
-            else None
-        )
-        # also with nothing to run: the runner forgets finished requests
-        result = self.runner.execute(plan)
-        new = self.scheduler.update(plan, result)
-        if plan.scheduled:
-            self.counters["generation_tokens_total"] += sum(len(o.new_token_ids) for o in new)
-            self.counters["steps_total"] += 1
-            if self.config.trace:
-                self._trace(plan, decoding, time.perf_counter() - t0)
-        return outputs + new
+# %% ../../nbs/03_continuous_batching.ipynb #f03e0a01
+@patch
+def _prepare(self: LLMEngine, model: CausalLM, quantization: str | None):
+    "Quantize `model` in place (chapter 8), set it up for the backend; what runs a step of it."
+    if quantization:
+        lookup("linear_method", quantization)(model, self.config)
+    return self.backend.prepare(model, self.config)
 
-    def _trace(self, plan, decoding: list[bool], seconds: float):
-        work = [(r.request_id, len(r.token_ids), d) for r, d in zip(plan.scheduled, decoding)]
-        prefill = sum(n for _, n, d in work if not d)
-        self.trace.append(
-            StepTrace(
-                len(self.trace),
-                prefill,
-                sum(decoding),
-                self.kv.allocator.num_used,
-                len(plan.preempted_ids),
-                seconds,
-                work,
-            )
-        )
 
-    def close(self):
-        "Release what the engine holds besides memory: nothing here (chapter 9's: its processes)."
+@patch
+def _make_cache(self: LLMEngine, run_step) -> PagedKVCache:
+    """The KV pool: `num_blocks`, or as many blocks as the memory plan (kept as `self.memory`)
+    finds room for, beside what the backend's step runner holds (chapter 7c)."""
+    cfg, model = self.config, self.model
+    attention = self.backend.attention()
+    if cfg.kv_cache_dtype != "auto":
+        attention = lookup("attention", cfg.kv_cache_dtype)(attention)
+    # memory the step runner holds for its steps, made now and counted by the plan (chapter 7c)
+    activations = self.backend.reserve(run_step, attention, cfg.block_size)
+    plan = plan_memory(
+        model.config, model.device, model.dtype, cfg.kv_cache_memory_gb,
+        cfg.gpu_memory_utilization, cfg.block_size, weights_bytes=weights_bytes(model),
+        token_bytes=attention.token_bytes(model.config, model.dtype), kv_note=attention.note,
+        activation_bytes=activations,
+    )
+    self.memory = (
+        replace(plan, num_blocks=cfg.num_blocks)
+        if cfg.num_blocks
+        else plan.check(cfg.max_model_len or cfg.block_size)
+    )
+    return PagedKVCache(model.config, self.memory.num_blocks, cfg.block_size, model.device,
+                        model.dtype, attention)
 
-    def stats(self) -> dict:
-        "Counters for monitoring (the server's /metrics)."
-        a = self.kv.allocator
-        return dict(
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            kv_blocks_used=a.num_used,
-            kv_blocks_free=a.num_free,
-            kv_blocks_total=a.num_blocks,
-            **self.scheduler.stats(),
-            **self.counters,
+
+@patch
+def _proposer(self: LLMEngine, num_blocks: int):
+    "What guesses the next tokens: nothing, or the proposer chapter 5 registers by name."
+    spec = self.config.speculative_config
+    if not spec:
+        return NoProposer()
+    ctx = DraftContext(self.model, self.tokenizer, self._prepare, self.backend.attention,
+                       num_blocks, self.config.block_size, self.backend.replay_limits,
+                       self.memory.weights_bytes)
+    if "method" not in spec:
+        raise ValueError("speculative_config needs a 'method' (ngram or draft_model)")
+    return lookup("proposer", spec["method"], "speculative method")(spec, ctx)
+
+
+@patch
+def _constraints(self: LLMEngine):
+    "What masks the logits of requests that must follow a grammar (chapter 10), if any."
+    name = self.config.structured_outputs
+    if name == "auto":
+        name = next(iter(names("constraints")), None)
+    if name is None:
+        return NoConstraints()
+    return lookup("constraints", name)(self.tokenizer, self.model.config.vocab_size)
+
+
+@patch
+def _check_request(self: LLMEngine, prompt, params, request_id, cache_salt) -> tuple[list, str]:
+    "The prompt's token ids and the request's id, or `InvalidRequest` naming what is wrong."
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
+    ids, vocab = encode_prompt(self.tokenizer, prompt), self.model.config.vocab_size
+    if len(ids) >= self.max_model_len:
+        raise InvalidRequest(
+            f"the prompt has {len(ids)} tokens but this engine's context (and KV pool) holds "
+            f"at most {self.max_model_len - 1} prompt tokens",
+            param="prompt",
+            code="context_length_exceeded",
         )
+    if max(ids) >= vocab or min(ids) < 0:
+        raise InvalidRequest(f"token ids must be in [0, {vocab})", param="prompt")
+    rid = request_id or uuid.uuid4().hex
+    if rid in self.seqs:
+        raise InvalidRequest(f"request id {rid!r} is already in use", param="request_id")
+    if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+        raise InvalidRequest(
+            f"cache_salt must be a non-empty string, got {cache_salt!r}", param="cache_salt"
+        )
+    return ids, rid
+
+
+@patch
+def _trace(self: LLMEngine, plan, decoding: list[bool], seconds: float):
+    work = [(r.request_id, len(r.token_ids), d) for r, d in zip(plan.scheduled, decoding)]
+    prefill = sum(n for _, n, d in work if not d)
+    self.trace.append(StepTrace(len(self.trace), prefill, sum(decoding),
+                                self.kv.allocator.num_used, len(plan.preempted_ids), seconds, work))
+
+
+@patch
+def close(self: LLMEngine):
+    "Release what the engine holds besides memory: nothing here (chapter 9's: its processes)."
+
+
+@patch
+def stats(self: LLMEngine) -> dict:
+    "Counters for monitoring (the server's /metrics)."
+    a = self.kv.allocator
+    return dict(
+        running=len(self.scheduler.running),
+        waiting=len(self.scheduler.waiting),
+        kv_blocks_used=a.num_used,
+        kv_blocks_free=a.num_free,
+        kv_blocks_total=a.num_blocks,
+        **self.scheduler.stats(),
+        **self.counters,
+    )

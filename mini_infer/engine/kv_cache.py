@@ -39,7 +39,8 @@ class PagedKVCache(KVCache):
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16, device=None,
                  dtype=torch.float32, backend: AttentionBackend | None = None):
         self.backend = backend or TorchAttention()
-        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        L, H, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        shape = (L, num_blocks, block_size, H, D)
         self.k, self.v = (self.backend.allocate(shape, dtype, device) for _ in "kv")
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, self.k.device
 
@@ -47,7 +48,8 @@ class PagedKVCache(KVCache):
         """`StepInputs` for rows (token ids, position of the first, the row's blocks, number of
         logits wanted for its last tokens), rows of one token first. Built once, on the device,
         checked against the pool, planned by the backend."""
-        ids, pos, slots, qlens, ctx, logits, tables = pack_rows(rows, self.block_size, self.num_blocks)
+        packed = pack_rows(rows, self.block_size, self.num_blocks)
+        ids, pos, slots, qlens, ctx, logits, tables = packed
         width, R, T = max(map(len, tables)), len(rows), len(ids)
         padded = [b for t in tables for b in t + [0] * (width - len(t))]
         host = torch.tensor(ids + pos + slots + ctx + logits + padded)

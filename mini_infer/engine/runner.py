@@ -7,7 +7,7 @@ __all__ = ['RequestState', 'NextTokenSampler', 'SamplingBatches', 'ModelRunner']
 import torch
 from .sampling import SamplingParams, SamplingBatch, Sampler, TokenHistory
 from .kv_cache import PagedKVCache
-from .scheduler import ScheduledRequest, SchedulerOutput, RunnerOutput
+from .contracts import ScheduledRequest, SchedulerOutput, RunnerOutput
 
 
 class RequestState:

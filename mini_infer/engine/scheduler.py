@@ -1,4 +1,5 @@
-"""Static batching leaves the hardware idle while the longest request finishes. Iteration-level scheduling runs one forward pass per step over the packed tokens of every running request: finished requests leave at once, new ones join on the next step. This chapter builds the scheduler and the engine behind `LLM` and the server.
+"""One forward pass per step over every running request: finished ones leave, new ones join at
+once.
 
 Docs: https://mini-infer.github.io/mini-infer/continuous_batching.html.md"""
 
@@ -56,8 +57,9 @@ class Sequence(Request):
     """One request inside the engine: chapter 1's `Request`, plus its place in the KV cache and
     its scheduling state."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
-                 max_len: int, block_size: int = 16, priority: int = 0, cache_salt: str | None = None):
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 tokenizer: Tokenizer, max_len: int, block_size: int = 16, priority: int = 0,
+                 cache_salt: str | None = None):
         super().__init__(request_id, prompt_ids, params, tokenizer, max_len)
         self.block_table, self.status = BlockTable(block_size), SeqStatus.WAITING
         self.priority = priority  # lower runs first
@@ -380,7 +382,8 @@ def schedule(self: Scheduler) -> SchedulerOutput:
 
 # %% ../../nbs/03_continuous_batching.ipynb #a7c1d018
 @patch
-def _output(self: Scheduler, work: list[tuple[Sequence, int]], preempted: list[Sequence]) -> SchedulerOutput:
+def _output(self: Scheduler, work: list[tuple[Sequence, int]],
+            preempted: list[Sequence]) -> SchedulerOutput:
     "The plan as plain data, for a runner that never sees a `Sequence`."
     scheduled = []
     for seq, n in work:
@@ -401,8 +404,10 @@ def _output(self: Scheduler, work: list[tuple[Sequence, int]], preempted: list[S
     return out
 
 # %% ../../nbs/03_continuous_batching.ipynb #f03b0c01
-def append_tokens(seq: Sequence, tokens: list[int], logprobs: list, constraints) -> tuple[list[int], str]:
-    "Append `tokens` to `seq` (and tell `constraints`) until one ends it: the tokens appended, their text."
+def append_tokens(seq: Sequence, tokens: list[int], logprobs: list,
+                  constraints) -> tuple[list[int], str]:
+    """Append `tokens` to `seq` (and tell `constraints`) until one ends it: the tokens appended,
+    their text."""
     delta, new = "", []
     for token, lp in zip(tokens, logprobs):
         delta += seq.append(token, lp)

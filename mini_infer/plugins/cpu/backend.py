@@ -140,9 +140,8 @@ class ScratchAttention(CPUAttention):
 # %% ../../../nbs/07c_step_replay.ipynb #f510fe86
 def prefill_dtype(config) -> str:
     """The products of long steps the engine's `config` asks for: "float32", "bfloat16" or "auto"
-    (chapter 7's `bf16_prefill`). No config, or one without the option, means "float32"."""
-    # the option is proposed as `EngineConfig.prefill_dtype` (chapter 3); until then, a default
-    return getattr(config, "prefill_dtype", "float32")
+    (chapter 7's `bf16_prefill`); "float32" without a config."""
+    return config.prefill_dtype if config is not None else "float32"
 
 
 # %% ../../../nbs/07c_step_replay.ipynb #829faacf
