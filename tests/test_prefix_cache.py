@@ -7,7 +7,8 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 import pytest
 
-from mini_infer.plugins.prefix_cache import PrefixCachingAllocator, PrefixCachingKVManager, hash_block
+from mini_infer.plugins.prefix_cache import (PrefixCachingAllocator, PrefixCachingKVManager, hash_block,
+                                             replace_block, share_blocks)
 from mini_infer.engine.sampling import SamplingParams
 from mini_infer.engine.scheduler import RunnerOutput, Scheduler, SchedulerConfig, Sequence, SeqStatus
 
@@ -46,12 +47,32 @@ def test_lru_keeps_cached_blocks_until_a_fresh_block_is_needed():
     alloc.check()
 
 
-def test_register_adopts_an_identical_block_and_refuses_a_colliding_key():
+def test_register_returns_an_identical_block_and_refuses_a_colliding_key():
     alloc = PrefixCachingAllocator(4, hash_fn=lambda *a: b"k")
     x, y, z = alloc.allocate(3)
     assert alloc.register(x, None, b"k", [1, 2]) == x
-    assert alloc.register(y, None, b"k", [1, 2]) == x and alloc.ref_counts[x] == 2 and alloc.ref_counts[y] == 0
+    assert alloc.register(y, None, b"k", [1, 2]) == x                    # the owner of y should hold x instead
+    assert alloc.ref_counts[x] == alloc.ref_counts[y] == 1 and y not in alloc.entries
     assert alloc.register(z, None, b"k", [3, 4]) is None                 # the key holds other tokens
+    alloc.check()
+
+
+def test_table_edits_keep_reference_counts():
+    "`share_blocks` appends blocks computed elsewhere (each gains an owner); `replace_block` swaps one for its twin."
+    from mini_infer.engine.block_manager import BlockTable
+    alloc = PrefixCachingAllocator(6)
+    a, b = BlockTable(4), BlockTable(4)
+    assert a.append(8, alloc)
+    share_blocks(b, a.blocks, alloc)
+    assert b.blocks == a.blocks and b.num_tokens == 8 and all(alloc.ref_counts[x] == 2 for x in a.blocks)
+    assert b.append(2, alloc)
+    with pytest.raises(ValueError, match="partial"): share_blocks(b, a.blocks[:1], alloc)
+    twin = alloc.allocate(1)[0]
+    replace_block(a, 1, twin, alloc)
+    assert a.blocks[1] == twin and alloc.ref_counts[twin] == 2 and alloc.ref_counts[b.blocks[1]] == 1
+    with pytest.raises(ValueError, match="not full"): replace_block(b, 2, twin, alloc)
+    alloc.free([twin]); a.free(alloc); b.free(alloc)
+    assert alloc.num_used == 0
     alloc.check()
 
 
