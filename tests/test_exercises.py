@@ -58,7 +58,7 @@ COSTS = {0: 1.0, 1: 1.10, 2: 1.17, 3: 1.19, 4: 1.25, 5: 1.34, 6: 1.39, 7: 1.45, 
 
 def test_05_best_k_solution():
     from mini_infer.course.exercises.ch05 import check_best_k
-    from mini_infer.plugins.speculative import expected_tokens
+    from mini_infer.plugins.speculative.plan import expected_tokens
     ns = solution("05_speculative.ipynb", "Exercise 5.2", expected_tokens=expected_tokens, costs=COSTS)
     assert check_best_k(ns["answer"], COSTS).ok is True
 

@@ -158,8 +158,9 @@ class PrefixCachingKVManager(KVManager):
         of the first block only: the chain carries it on."""
         S, keys = self.block_size, self.hashes.setdefault(seq, [])
 
-        def extra(j):
-            return (("cache_salt", seq.cache_salt),) if j == 0 and seq.cache_salt is not None else ()
+        def extra(j):  # the salt, tagged by its kind
+            salted = j == 0 and seq.cache_salt is not None
+            return (("cache_salt", seq.cache_salt),) if salted else ()
 
         for j in range(len(keys), i + 1):
             parent = keys[j - 1] if j else None

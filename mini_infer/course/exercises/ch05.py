@@ -6,7 +6,8 @@ __all__ = ['check_expected_tokens', 'check_best_k', 'check_acceptance_rate']
 # %% ../../../nbs/05_speculative.ipynb #16cad730
 import torch
 from ..exercise import close_enough, exercise_check, expect
-from ...plugins.speculative import expected_tokens, rejection_sample
+from ...plugins.speculative.plan import expected_tokens
+from ...plugins.speculative.verify import rejection_sample
 
 
 def _simulated_tokens(alpha: float, k: int, n: int = 20_000) -> float:
