@@ -33,7 +33,7 @@ def test_lru_keeps_cached_blocks_until_a_fresh_block_is_needed():
     keys = []
     for i, b in enumerate(blocks):
         keys.append(hash_block(keys[-1] if keys else None, [i] * 4))
-        assert alloc.register(b, blocks[i - 1] if i else None, keys[-1], [i] * 4) == b
+        assert alloc.cache_block(b, blocks[i - 1] if i else None, keys[-1], [i] * 4) == b
     alloc.free(blocks[::-1])                                             # a table frees its tail first
     alloc.check()
     assert (alloc.num_free, alloc.num_cached_free, alloc.num_used) == (4, 3, 0)
@@ -47,13 +47,13 @@ def test_lru_keeps_cached_blocks_until_a_fresh_block_is_needed():
     alloc.check()
 
 
-def test_register_returns_an_identical_block_and_refuses_a_colliding_key():
+def test_cache_block_returns_an_identical_block_and_refuses_a_colliding_key():
     alloc = PrefixCachingAllocator(4, hash_fn=lambda *a: b"k")
     x, y, z = alloc.allocate(3)
-    assert alloc.register(x, None, b"k", [1, 2]) == x
-    assert alloc.register(y, None, b"k", [1, 2]) == x                    # the owner of y should hold x instead
+    assert alloc.cache_block(x, None, b"k", [1, 2]) == x
+    assert alloc.cache_block(y, None, b"k", [1, 2]) == x                    # the owner of y should hold x instead
     assert alloc.ref_counts[x] == alloc.ref_counts[y] == 1 and y not in alloc.entries
-    assert alloc.register(z, None, b"k", [3, 4]) is None                 # the key holds other tokens
+    assert alloc.cache_block(z, None, b"k", [3, 4]) is None                 # the key holds other tokens
     alloc.check()
 
 
@@ -80,11 +80,11 @@ def test_a_reused_parent_never_passes_for_the_old_one():
     "A child entry names its parent's registration, not just its block number: keys here ignore the parent."
     alloc = PrefixCachingAllocator(2)
     p, c = alloc.allocate(2)
-    alloc.register(p, None, b"p1", [1]); alloc.register(c, p, b"c2", [2])
+    alloc.cache_block(p, None, b"p1", [1]); alloc.cache_block(c, p, b"c2", [2])
     assert alloc.lookup(p, b"c2", [2]) == c
     alloc.free([p, c])                                   # p is the least recently freed: evicted first
     assert alloc.allocate(1) == [p] and alloc.lookup(p, b"c2", [2]) is None
-    alloc.register(p, None, b"p7", [7])                  # block p now holds another prefix
+    alloc.cache_block(p, None, b"p7", [7])                  # block p now holds another prefix
     assert alloc.lookup(p, b"c2", [2]) is None           # c still names p's old registration
 
 

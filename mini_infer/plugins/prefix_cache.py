@@ -108,7 +108,7 @@ def lookup(
 
 # %% ../../nbs/04_prefix_cache.ipynb #fc801a4a
 @patch
-def register(
+def cache_block(
     self: PrefixCachingAllocator, block: int, parent: int | None, key: bytes, token_ids,
     extra_keys: tuple = (),
 ) -> int | None:
@@ -246,7 +246,7 @@ def allocate_slots(
 # %% ../../nbs/04_prefix_cache.ipynb #65ea1583
 @patch
 def cache_blocks(self: PrefixCachingKVManager, seq: Sequence):
-    """Share every block the step filled with final tokens: register it, or hold an identical
+    """Share every block the step filled with final tokens: cache it, or hold an identical
     block cached earlier instead."""
     self._step_keys.clear()  # the step's blocks are computed: from the next step on, hits
     table, S = seq.block_table, self.block_size
@@ -254,7 +254,7 @@ def cache_blocks(self: PrefixCachingKVManager, seq: Sequence):
         self.num_cached_blocks.get(seq, 0), min(seq.num_computed_tokens, seq.num_tokens) // S
     ):
         parent = table.blocks[i - 1] if i else None
-        block = self.allocator.register(table.blocks[i], parent, *self.full_block(seq, i))
+        block = self.allocator.cache_block(table.blocks[i], parent, *self.full_block(seq, i))
         if block is None:  # its key stands for other tokens (a collision): no further sharing
             break
         if block != table.blocks[i]:

@@ -13,8 +13,8 @@ from ...engine.sampling import SamplingParams
 
 
 def cached_tokens(prompts, salts=None, block_size: int = 16) -> list[int]:
-    """Each prompt's `num_cached_tokens` when the prompts run one after the other through chapter 3's
-    scheduler with the prefix cache, a stand-in runner answering token 0 (no model needed)."""
+    """Each prompt's `num_cached_tokens` when the prompts run one after the other through chapter
+    3's scheduler with the prefix cache, a stand-in runner answering token 0 (no model needed)."""
     sched = Scheduler(SchedulerConfig(), PrefixCachingKVManager(256, block_size))
     found = []
     for i, p in enumerate(prompts):
@@ -41,12 +41,13 @@ def check_block_keys(block_keys):
             parent = hash_block(parent, tokens[j * S : (j + 1) * S], extra)
             want.append(parent)
         got = list(block_keys(tokens, S, salt))
-        expect(len(got) == len(want), f"{len(tokens)} tokens in blocks of {S} make {len(want)} full blocks, "
-               f"you returned {len(got)} keys: a partial block has no key")
+        expect(len(got) == len(want), f"{len(tokens)} tokens in blocks of {S} make {len(want)} "
+               f"full blocks, you returned {len(got)} keys: a partial block has no key")
         expect(got[0] == want[0], f"the first block's key is wrong (salt {salt!r}): "
                "hash_block(None, its tokens, the salt as a ('cache_salt', salt) extra key)")
-        expect(got == want, f"a later block's key is wrong (salt {salt!r}): each key hashes the previous "
-               "key with the block's tokens; the salt goes into the first block only, the chain carries it")
+        expect(got == want, f"a later block's key is wrong (salt {salt!r}): each key hashes the "
+               "previous key with the block's tokens; the salt goes into the first block only, the "
+               "chain carries it")
     return "the chain carries the salt from the first block into every key"
 
 
@@ -56,11 +57,13 @@ def check_unsalted_hits(prediction, secret_len: int = 200, tail: int = 10):
     secret = list(range(1000, 1000 + secret_len))
     a, b = secret + [7] * tail, secret + [9] * tail
     actual = cached_tokens([a, b])[1]
-    expect(prediction != secret_len + tail, "the last tokens differ between the two prompts: they cannot hit")
-    expect(prediction == actual, f"{prediction} is not it: count the full blocks the two prompts share, "
-           f"{secret_len} + {tail} tokens in blocks of 16")
+    expect(prediction != secret_len + tail,
+           "the last tokens differ between the two prompts: they cannot hit")
+    expect(prediction == actual, f"{prediction} is not it: count the full blocks the two prompts "
+           f"share, {secret_len} + {tail} tokens in blocks of 16")
     salted = cached_tokens([a, b], salts=["tenant-a", "tenant-b"])[1]
-    return f"{actual} tokens hit without a salt, {salted} with one salt per tenant: the first token comes back sooner"
+    return (f"{actual} tokens hit without a salt, {salted} with one salt per tenant: the first "
+            "token comes back sooner")
 
 
 @exercise_check
@@ -73,10 +76,12 @@ def check_hit_rate(prediction, n_requests: int = 4, prefix_len: int = 90, tail_l
     expect(0 <= prediction <= 1, "give the hit rate as a fraction between 0 and 1")
     naive = prefix_len / (prefix_len + tail_len)
     expect(abs(prediction - naive) > 1e-3 or abs(naive - actual) < 1e-3,
-           f"{prediction:.3f} counts the whole prefix: only full blocks of 16 are shared, and the prefix's last "
-           "block also holds tokens of the tail")
-    expect(abs(prediction - actual) < 0.005, f"{prediction:.3f} is off: the measured hit rate is not that")
-    return f"{found[0]} of {len(prompts[1])} prompt tokens hit for each request after the first: {actual:.1%}"
+           f"{prediction:.3f} counts the whole prefix: only full blocks of 16 are shared, and the "
+           "prefix's last block also holds tokens of the tail")
+    expect(abs(prediction - actual) < 0.005,
+           f"{prediction:.3f} is off: the measured hit rate is not that")
+    return (f"{found[0]} of {len(prompts[1])} prompt tokens hit for each request after the first: "
+            f"{actual:.1%}")
 
 
 def _waves() -> list[list[tuple]]:
@@ -85,8 +90,9 @@ def _waves() -> list[list[tuple]]:
     system, long = ids(3, 64), ids(11, 100)
     return [
         [("A", system + ids(40, 7), None)],
-        [("B", system + ids(60, 20), None), ("C", system, None), ("D", system[:40] + ids(80, 9), None),
-         ("E", long, None), ("E twin", long + ids(90, 5), None)],
+        [("B", system + ids(60, 20), None), ("C", system, None),
+         ("D", system[:40] + ids(80, 9), None), ("E", long, None),
+         ("E twin", long + ids(90, 5), None)],
         [("F", long + ids(100, 30), None), ("G", system + ids(60, 20), "tenant"),
          ("H", system + ids(60, 20), None)],
     ]
@@ -138,7 +144,8 @@ def run_waves(max_steps: int = 300) -> dict:
             except (Wrong, NotImplementedError):
                 raise
             except Exception as e:
-                return dict(out, problem=f"at step {step} the engine raised {type(e).__name__}: {e}")
+                raised = f"at step {step} the engine raised {type(e).__name__}: {e}"
+                return dict(out, problem=raised)
             if (leak := _leak(eng, step)) is not None:
                 return dict(out, problem=leak)
     if eng.kv.allocator.num_used:
@@ -176,14 +183,14 @@ def check_match(match):
             continue
         g = got[name]
         expect(g["cached"] == w["cached"],
-               f"request {name} found {g['cached']} prompt tokens cached; the engine's own walk finds "
-               f"{w['cached']}. " + _hint(g["cached"], w["cached"]))
+               f"request {name} found {g['cached']} prompt tokens cached; the engine's own walk "
+               f"finds {w['cached']}. " + _hint(g["cached"], w["cached"]))
         bad = next((i for i, (a, b) in enumerate(zip(g["tokens"], w["tokens"])) if a != b), None)
-        expect(bad is None,
-               f"request {name}'s output token {bad} (step {g['steps'][bad] if bad is not None else 0}) "
-               f"is {g['tokens'][bad] if bad is not None else ''} where the engine's own cache gives "
-               f"{w['tokens'][bad] if bad is not None else ''}: the blocks your match returned do not "
-               f"hold {name}'s prefix")
+        if bad is not None:
+            raise Wrong(f"request {name}'s output token {bad} (step {g['steps'][bad]}) is "
+                        f"{g['tokens'][bad]} where the engine's own cache gives "
+                        f"{w['tokens'][bad]}: the blocks your match returned do not hold "
+                        f"{name}'s prefix")
     return "every request found what the engine's own walk finds, with the same tokens and no leak"
 
 
@@ -191,5 +198,6 @@ def _hint(got: int, want: int) -> str:
     if got > want:
         return ("More than is there: stop one token short of the whole sequence (its last token "
                 "must be computed for its logits), and start after what it has computed.")
-    return ("Fewer: walk from the block after the sequence's computed prefix, each lookup after the "
-            "block found before it (the table's last block at the start), until the first miss.")
+    return ("Fewer: walk from the block after the sequence's computed prefix, each lookup after "
+            "the block found before it (the table's last block at the start), up to the first "
+            "miss.")

@@ -21,34 +21,40 @@ def _simulated_tokens(alpha: float, k: int, n: int = 20_000) -> float:
     "Mean tokens per step of `rejection_sample` when each guess is kept with probability alpha."
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        p = torch.tensor([alpha, 1 - alpha]).expand(n, k + 1, 2)  # the guess, token 0, has p = alpha
+        p = torch.tensor([alpha, 1 - alpha]).expand(n, k + 1, 2)  # the guess, token 0: p = alpha
         kept, _ = rejection_sample(p, torch.zeros(n, k, dtype=torch.long), torch.full((n,), k))
     return float(kept.float().mean()) + 1
 
 
 @exercise_check
 def check_expected_tokens(predicted, alpha: float = 0.7, k: int = 4):
-    "Exercise 5.1: the tokens one verify step yields on average, each of k guesses right with probability alpha."
+    """Exercise 5.1: the tokens one verify step yields on average, each of k guesses right with
+    probability alpha."""
     exact = expected_tokens(alpha, k)
     expect(abs(predicted - (1 + alpha * k)) > 1e-3,
-           f"1 + αk = {1 + alpha * k:g} counts every guess on its own; guess j is only kept if all j - 1 before it were (probability α^j)")
+           f"1 + αk = {1 + alpha * k:g} counts every guess on its own; guess j is only kept if all "
+           "j - 1 before it were (probability α^j)")
     expect(abs(predicted - (exact - 1)) > 1e-3,
-           "that counts the kept guesses only: every step also emits one token of the model's own (a correction, or the bonus)")
+           "that counts the kept guesses only: every step also emits one token of the model's own "
+           "(a correction, or the bonus)")
     close_enough(predicted, exact, rel=0.01)
-    return f"1 + α + ... + α^k = (1 - α^(k+1)) / (1 - α) = {exact:.3f}; rejection_sample measured {_simulated_tokens(alpha, k):.3f} over 20,000 steps"
+    return (f"1 + α + ... + α^k = (1 - α^(k+1)) / (1 - α) = {exact:.3f}; rejection_sample measured "
+            f"{_simulated_tokens(alpha, k):.3f} over 20,000 steps")
 
 
 @exercise_check
 def check_best_k(answer, costs: dict, alpha: float = 0.6):
-    "Exercise 5.2: the best k for alpha on the measured c(k), and what forcing k = 8 does against it."
+    "Exercise 5.2: the best k for alpha on the measured c(k), and what forcing k = 8 does to it."
     k, ratio = answer
     speed = {j: expected_tokens(alpha, j) / costs[j] for j in range(9)}
     best = max(speed, key=speed.get)
     expect(speed[k] >= 0.99 * speed[best],
-           f"k = {k} yields {speed[k]:.2f} tokens per one-token step's time, k = {best} yields {speed[best]:.2f}: divide expected_tokens(α, k) by c(k) for every k")
+           f"k = {k} yields {speed[k]:.2f} tokens per one-token step's time, k = {best} yields "
+           f"{speed[best]:.2f}: divide expected_tokens(α, k) by c(k) for every k")
     close_enough(ratio, speed[8] / speed[k], rel=0.05, what="your ratio k = 8 / best k")
-    return (f"k = {best}: {speed[best]:.2f} tokens per unit of time; k = 8: {speed[8]:.2f}. Guess j adds α^j tokens "
-            f"(α^8 = {alpha ** 8:.3f}) while each guess adds its share of c(k)")
+    return (f"k = {best}: {speed[best]:.2f} tokens per unit of time; k = 8: {speed[8]:.2f}. "
+            f"Guess j adds α^j tokens (α^8 = {alpha ** 8:.3f}) while each guess adds its share "
+            "of c(k)")
 
 
 # chi-square quantiles at p = 1e-4, by degrees of freedom: a correct answer fails 1 time in 10,000
@@ -56,7 +62,7 @@ CHI2_1E4 = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.88
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    "Pearson's statistic of `counts` against `probs`, bins expecting fewer than 5 merged; (chi2, dof)."
+    "Pearson's statistic of `counts` against `probs` (bins expecting under 5 merged): (chi2, dof)."
     exp = probs * counts.sum()
     small = exp < 5
     obs = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)]).double()
@@ -83,7 +89,7 @@ def verify_rows(verify_row, P, guesses, Q=None, seed: int = 0):
 
 
 def judge_rows(kept, emitted, P, alphas, case: str):
-    "Wrong, in the learner's terms, unless kept runs and emitted tokens are as exact sampling gives."
+    "Wrong, in the learner's terms, unless kept runs and emitted tokens are exact sampling's."
     N, K1 = emitted.shape
     reach = 1.0
     for j in range(1, K1):
@@ -101,8 +107,9 @@ def judge_rows(kept, emitted, P, alphas, case: str):
         where = ("where every guess was kept (the bonus token: draw it from p)" if j == K1 - 1
                  else f"at position {j}")
         expect(chi2 < CHI2_1E4[dof],
-               f"{case}: the tokens emitted {where} are not distributed as the target's p (chi-square "
-               f"{chi2:.0f} over {dof} degrees of freedom, above {CHI2_1E4[dof]}): after a rejection, "
+               f"{case}: the tokens emitted {where} are not distributed as the target's p "
+               f"(chi-square {chi2:.0f} over {dof} degrees of freedom, above {CHI2_1E4[dof]}): "
+               "after a rejection, "
                "draw from the residual max(0, p - q), normalised; q one-hot at x for a "
                "deterministic guess")
 
@@ -129,7 +136,7 @@ def _ngram_factory(lookup=None, rejection=None):
 
 
 class LearnersLookup(NgramProposer):
-    "Chapter 5's n-gram proposer with the learner's lookup; it notes the first guess unlike its own."
+    "Chapter 5's n-gram proposer with the learner's lookup; it notes the first guess unlike its."
 
     def __init__(self, fn, n_max: int, n_min: int):
         super().__init__(n_max, n_min)
@@ -147,7 +154,8 @@ def run_in_engine(params: list[SamplingParams], lookup=None, rejection=None) -> 
     """The prompts of `_prompts` through `LLMEngine` on the tiny model with `params`: n-gram
     guesses (k = 4 at every step) when `lookup` or `rejection` is given (the learner's), plain
     decoding otherwise. The output tokens, and the engine's proposer."""
-    spec = dict(method="ngram", num_speculative_tokens=4, adaptive=False, disable_by_batch_size=None)
+    spec = dict(method="ngram", num_speculative_tokens=4, adaptive=False,
+                disable_by_batch_size=None)
     with registered("proposer", "ngram", _ngram_factory(lookup, rejection)):
         eng = LLMEngine(tiny_model(), IdsOnly(), num_blocks=256, block_size=16, backend="torch",
                         speculative_config=spec if (lookup or rejection) else None)
@@ -177,7 +185,7 @@ def row_by_row(verify_row):
 def check_verify_row(verify_row, N: int = 4000):
     """Exercise 5.3: one row's verification by rejection sampling, judged by chi-square on rows
     with known p and q, then run as the verifier of LLMEngine's seeded sampled requests."""
-    V, k, dirichlet = 8, 2, torch.distributions.Dirichlet(torch.ones(8))
+    k, dirichlet = 2, torch.distributions.Dirichlet(torch.ones(8))  # a vocabulary of 8
     with torch.random.fork_rng():
         torch.manual_seed(0)
         P, Q, G = dirichlet.sample((k + 1,)), dirichlet.sample((k,)), dirichlet.sample((k,))
@@ -205,7 +213,8 @@ def _explain(tokens: list[int], k: int, n_max: int, n_min: int) -> str:
     for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
         at = [i for i in range(len(tokens) - n) if tokens[i : i + n] == tokens[-n:]]
         if at:
-            return (f"the last {n} tokens {tokens[-n:]} occur earlier, latest at position {at[-1]}: "
+            return (f"the last {n} tokens {tokens[-n:]} occur earlier, latest at position "
+                    f"{at[-1]}: "
                     f"guess the (at most {k}) tokens after it")
     return f"no suffix of {n_max} down to {n_min} tokens occurs earlier: guess nothing"
 
@@ -213,7 +222,8 @@ def _explain(tokens: list[int], k: int, n_max: int, n_min: int) -> str:
 @exercise_check
 def check_prompt_lookup(prompt_lookup):
     """Exercise 5.4: prompt lookup, `prompt_lookup(tokens, k, n_max, n_min)`, on a few cases, then
-    as the n-gram proposer of LLMEngine: greedy tokens as plain decoding's, guesses as the engine's."""
+    as the n-gram proposer of LLMEngine: greedy tokens as plain decoding's, guesses as the
+    engine's."""
     g = torch.Generator().manual_seed(0)
     cases = [([1, 2, 3, 9, 9, 1, 2, 3], 3, 3, 1), ([5, 1, 2, 7, 8, 1, 2, 6, 6, 1, 2], 2, 4, 2),
              ([4, 5, 6, 1, 1, 5, 6, 2, 4, 5, 6], 3, 3, 2), ([1, 2, 3, 4], 2, 3, 1),

@@ -90,7 +90,7 @@ def padded_guesses(
     draft = torch.tensor([r.guesses + [-1] * (K - len(r.guesses)) for r in rows], device=device)
     return draft, (draft >= 0).sum(-1)
 
-
+# %% ../../../nbs/05_speculative.ipynb #f05c0402
 def repeat_positions(batch: SamplingBatch, draft: torch.Tensor) -> SamplingBatch:
     """`batch` with each row repeated for its k + 1 verified positions; with penalties, position j
     counts the row's first j guesses as generated, so that the penalties stay exact."""
