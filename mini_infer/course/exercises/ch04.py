@@ -6,7 +6,7 @@ __all__ = ['cached_tokens', 'check_block_keys', 'check_unsalted_hits', 'check_hi
 # %% ../../../nbs/04_prefix_cache.ipynb #e04c0000
 from ..exercise import Wrong, exercise_check, expect
 from ..harness import IdsOnly, registered, tiny_model
-from ...plugins.prefix_cache import PrefixCachingKVManager, hash_block
+from ...plugins import prefix_cache  # by module: the chapter's cells redefine its names
 from ...engine.engine import LLMEngine
 from ...engine.scheduler import Scheduler, SchedulerConfig, Sequence, RunnerOutput
 from ...engine.sampling import SamplingParams
@@ -15,7 +15,7 @@ from ...engine.sampling import SamplingParams
 def cached_tokens(prompts, salts=None, block_size: int = 16) -> list[int]:
     """Each prompt's `num_cached_tokens` when the prompts run one after the other through chapter
     3's scheduler with the prefix cache, a stand-in runner answering token 0 (no model needed)."""
-    sched = Scheduler(SchedulerConfig(), PrefixCachingKVManager(256, block_size))
+    sched = Scheduler(SchedulerConfig(), prefix_cache.PrefixCachingKVManager(256, block_size))
     found = []
     for i, p in enumerate(prompts):
         salt = salts[i] if salts else None
@@ -38,7 +38,7 @@ def check_block_keys(block_keys):
         want, parent = [], None
         for j in range(len(tokens) // S):
             extra = (("cache_salt", salt),) if j == 0 and salt is not None else ()
-            parent = hash_block(parent, tokens[j * S : (j + 1) * S], extra)
+            parent = prefix_cache.hash_block(parent, tokens[j * S : (j + 1) * S], extra)
             want.append(parent)
         got = list(block_keys(tokens, S, salt))
         expect(len(got) == len(want), f"{len(tokens)} tokens in blocks of {S} make {len(want)} "
@@ -159,7 +159,7 @@ def check_match(match):
     """Exercise 4.2: `match(kv, seq)`, the cached blocks that continue a sequence's computed
     prefix, run inside LLMEngine as the prefix cache's walk."""
 
-    class LearnersMatch(PrefixCachingKVManager):
+    class LearnersMatch(prefix_cache.PrefixCachingKVManager):
         "The engine's prefix cache, walking the key chain with the learner's `match`."
 
         def match(self, seq):
@@ -174,7 +174,8 @@ def check_match(match):
                    "return what `kv.allocator.lookup` finds")
             return hits
 
-    want = run_waves()
+    with registered("kv_manager", "prefix_caching", prefix_cache.PrefixCachingKVManager):
+        want = run_waves()
     with registered("kv_manager", "prefix_caching", LearnersMatch):
         got = run_waves()
     expect(got["problem"] is None, f"with your match, {got['problem']}")

@@ -10,11 +10,10 @@ from ..harness import IdsOnly, registered, tiny_model
 from ...engine.engine import LLMEngine
 from ...engine.llm import run_to_completion
 from ...engine.sampling import SamplingParams
-from ...plugins.speculative import SpeculativeProposer
-from ...plugins.speculative.config import SpeculativeConfig
-from ...plugins.speculative.plan import VERIFY_TOKEN_COST, expected_tokens
-from ...plugins.speculative.proposers import NgramProposer
-from ...plugins.speculative.verify import VerifyingSampler, rejection_sample
+# by module: the chapter's cells redefine these names
+from ...plugins import speculative
+from ...plugins.speculative import config as spec_config, plan as spec_plan
+from ...plugins.speculative import proposers as spec_proposers, verify as spec_verify
 
 
 def _simulated_tokens(alpha: float, k: int, n: int = 20_000) -> float:
@@ -22,7 +21,8 @@ def _simulated_tokens(alpha: float, k: int, n: int = 20_000) -> float:
     with torch.random.fork_rng():
         torch.manual_seed(0)
         p = torch.tensor([alpha, 1 - alpha]).expand(n, k + 1, 2)  # the guess, token 0: p = alpha
-        kept, _ = rejection_sample(p, torch.zeros(n, k, dtype=torch.long), torch.full((n,), k))
+        draft = torch.zeros(n, k, dtype=torch.long)
+        kept, _ = spec_verify.rejection_sample(p, draft, torch.full((n,), k))
     return float(kept.float().mean()) + 1
 
 
@@ -30,7 +30,7 @@ def _simulated_tokens(alpha: float, k: int, n: int = 20_000) -> float:
 def check_expected_tokens(predicted, alpha: float = 0.7, k: int = 4):
     """Exercise 5.1: the tokens one verify step yields on average, each of k guesses right with
     probability alpha."""
-    exact = expected_tokens(alpha, k)
+    exact = spec_plan.expected_tokens(alpha, k)
     expect(abs(predicted - (1 + alpha * k)) > 1e-3,
            f"1 + αk = {1 + alpha * k:g} counts every guess on its own; guess j is only kept if all "
            "j - 1 before it were (probability α^j)")
@@ -46,7 +46,7 @@ def check_expected_tokens(predicted, alpha: float = 0.7, k: int = 4):
 def check_best_k(answer, costs: dict, alpha: float = 0.6):
     "Exercise 5.2: the best k for alpha on the measured c(k), and what forcing k = 8 does to it."
     k, ratio = answer
-    speed = {j: expected_tokens(alpha, j) / costs[j] for j in range(9)}
+    speed = {j: spec_plan.expected_tokens(alpha, j) / costs[j] for j in range(9)}
     best = max(speed, key=speed.get)
     expect(speed[k] >= 0.99 * speed[best],
            f"k = {k} yields {speed[k]:.2f} tokens per one-token step's time, k = {best} yields "
@@ -125,17 +125,18 @@ def _ngram_factory(lookup=None, rejection=None):
     rejection sampler is the learner's."""
 
     def factory(config, ctx):
-        cfg = SpeculativeConfig.from_dict(config)
-        ngram = NgramProposer(cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+        cfg = spec_config.SpeculativeConfig.from_dict(config)
+        ngram = spec_proposers.NgramProposer(cfg.prompt_lookup_max, cfg.prompt_lookup_min)
         if lookup is not None:
             ngram = LearnersLookup(lookup, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
-        sampler = VerifyingSampler(rejection) if rejection is not None else None
-        return SpeculativeProposer(cfg, ngram, VERIFY_TOKEN_COST, ctx.replay_limits, sampler)
+        sampler = spec_verify.VerifyingSampler(rejection) if rejection is not None else None
+        cost = spec_plan.VERIFY_TOKEN_COST
+        return speculative.SpeculativeProposer(cfg, ngram, cost, ctx.replay_limits, sampler)
 
     return factory
 
 
-class LearnersLookup(NgramProposer):
+class LearnersLookup(spec_proposers.NgramProposer):
     "Chapter 5's n-gram proposer with the learner's lookup; it notes the first guess unlike its."
 
     def __init__(self, fn, n_max: int, n_min: int):
@@ -231,7 +232,7 @@ def check_prompt_lookup(prompt_lookup):
     cases += [(torch.randint(0, 4, (30,), generator=g).tolist(), 4, 4, 2) for _ in range(20)]
     for tokens, k, n_max, n_min in cases:
         got = [int(t) for t in prompt_lookup(list(tokens), k, n_max, n_min)]
-        want = NgramProposer(n_max, n_min).lookup(tokens, k)
+        want = spec_proposers.NgramProposer(n_max, n_min).lookup(tokens, k)
         expect(got == want, f"for tokens {tokens}, k = {k}, n from {n_max} down to {n_min}, you "
                f"guessed {got}; prompt lookup guesses {want}: {_explain(tokens, k, n_max, n_min)}")
     params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)] * 8
