@@ -58,7 +58,7 @@ COSTS = {0: 1.0, 1: 1.10, 2: 1.17, 3: 1.19, 4: 1.25, 5: 1.34, 6: 1.39, 7: 1.45, 
 
 def test_05_best_k_solution():
     from mini_infer.course.exercises.ch05 import check_best_k
-    from mini_infer.plugins.speculative import expected_tokens
+    from mini_infer.plugins.speculative.plan import expected_tokens
     ns = solution("05_speculative.ipynb", "Exercise 5.2", expected_tokens=expected_tokens, costs=COSTS)
     assert check_best_k(ns["answer"], COSTS).ok is True
 
@@ -70,19 +70,129 @@ def test_05_best_k_wrong():
     assert check_best_k(None, COSTS).ok is None
 
 
-def test_05_acceptance_rate_solution():
-    from mini_infer.course.exercises.ch05 import check_acceptance_rate
-    ns = solution("05_speculative.ipynb", "Exercise 5.3")
-    assert check_acceptance_rate(ns["acceptance_rate"]).ok is True
-
-
-def test_05_acceptance_rate_wrong():
+def _residual_draw(p, j, x, q, generator, normalise=True):
+    "A draw after guess x at position j was rejected: from max(0, p - q), normalised or (wrongly) not."
     import torch
-    from mini_infer.course.exercises.ch05 import check_acceptance_rate
-    wrong = check_acceptance_rate(lambda p, q: (p * q).sum(-1))   # the chance that two draws agree
-    assert wrong.ok is False and "rejection_sample kept" in wrong.message
-    def stub(p, q): raise NotImplementedError
-    assert check_acceptance_rate(stub).ok is None
+    r = p[j].clone() if q is None else (p[j] - q[j]).clamp(min=0)
+    if q is None:
+        r[x] = 0
+    if normalise:
+        return int(torch.multinomial(r / r.sum(), 1, generator=generator))
+    u = torch.rand(1, generator=generator)   # an inverse-CDF draw, which needs the residual to sum to 1
+    return min(int((r.cumsum(-1) < u).sum()), len(r) - 1)
+
+
+def _verifier(keep, after_reject, bonus=True):
+    "verify_row written with the pieces a learner may get wrong."
+    import torch
+
+    def verify_row(p, guesses, q=None, generator=None):
+        for j, x in enumerate(guesses):
+            qx = 1.0 if q is None else float(q[j, x])
+            if keep(float(p[j, x]), qx, generator):
+                continue
+            return j, after_reject(p, j, x, q, generator)
+        k = len(guesses)
+        return k, int(torch.multinomial(p[k] if bonus else p[k - 1], 1, generator=generator))
+    return verify_row
+
+
+def _keep_exact(px, qx, generator):
+    import torch
+    return torch.rand(1, generator=generator).item() < min(1.0, px / qx)
+
+
+def test_05_verify_row():
+    import torch
+    from mini_infer.course.exercises.ch05 import check_verify_row
+    assert check_verify_row(solution("05_speculative.ipynb", "Exercise 5.3")["verify_row"]).ok is True
+
+    def vectorised(p, guesses, q=None, generator=None):   # a correct variant: every uniform at once, accept_probs-style
+        k, x = len(guesses), torch.tensor(guesses, dtype=torch.long)
+        px = p[torch.arange(k), x]
+        a = px if q is None else (px / q[torch.arange(k), x]).clamp(max=1)
+        ok = torch.rand(k, generator=generator) < a
+        kept = int(ok.long().cumprod(0).sum())
+        if kept == k:
+            return k, int(torch.multinomial(p[k], 1, generator=generator))
+        r = p[kept].scatter(0, x[kept:kept + 1], 0.0) if q is None else (p[kept] - q[kept]).clamp(min=0)
+        return kept, int(torch.multinomial(r, 1, generator=generator))   # multinomial normalises
+    assert check_verify_row(vectorised).ok is True
+
+    no_residual = _verifier(_keep_exact, lambda p, j, x, q, g: int(torch.multinomial(p[j], 1, generator=g)))
+    wrong = check_verify_row(no_residual)   # a rejection draws from p: the rejected guess comes back too often
+    assert wrong.ok is False and "residual" in wrong.message and "chi-square" in wrong.message
+
+    p_above_q = _verifier(lambda px, qx, g: px >= qx, _residual_draw)   # keeps x when p(x) >= q(x), no uniform
+    wrong = check_verify_row(p_above_q)
+    assert wrong.ok is False and "min(1, p(x)/q(x))" in wrong.message
+
+    unnormalised = _verifier(_keep_exact, lambda p, j, x, q, g: _residual_draw(p, j, x, q, g, normalise=False))
+    wrong = check_verify_row(unnormalised)
+    assert wrong.ok is False and "normalised" in wrong.message
+
+    no_bonus = _verifier(_keep_exact, _residual_draw, bonus=False)   # every guess kept: drawn from the last guess's p
+    wrong = check_verify_row(no_bonus)
+    assert wrong.ok is False and "bonus" in wrong.message
+
+    def unseeded(p, guesses, q=None, generator=None):   # exact, but ignores the request's generator
+        return vectorised(p, guesses, q, None)
+    wrong = check_verify_row(unseeded)
+    assert wrong.ok is False and "generator" in wrong.message
+
+    def stub(p, guesses, q=None, generator=None):
+        raise NotImplementedError
+    assert check_verify_row(stub).ok is None
+
+
+def test_05_prompt_lookup():
+    from mini_infer.course.exercises.ch05 import check_prompt_lookup
+    assert check_prompt_lookup(solution("05_speculative.ipynb", "Exercise 5.4")["prompt_lookup"]).ok is True
+
+    def by_string(tokens, k, n_max=4, n_min=2):   # a correct variant: find the suffix in the text with rfind
+        text = "," + ",".join(map(str, tokens)) + ","
+        for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+            suffix = "," + ",".join(map(str, tokens[-n:])) + ","
+            at = text.rfind(suffix, 0, len(text) - 1)    # an occurrence ending before the end of the text
+            if at >= 0:
+                start = text[:at + 1].count(",") - 1 + n
+                return tokens[start:start + k]
+        return []
+    assert check_prompt_lookup(by_string).ok is True
+
+    def search(tokens, n, positions):
+        return next((i for i in positions if tokens[i:i + n] == tokens[-n:]), None)
+
+    def earliest(tokens, k, n_max=4, n_min=2):   # the first occurrence instead of the latest
+        for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+            i = search(tokens, n, range(len(tokens) - n))
+            if i is not None:
+                return tokens[i + n:i + n + k]
+        return []
+    wrong = check_prompt_lookup(earliest)
+    assert wrong.ok is False and "latest at position" in wrong.message
+
+    def shortest_first(tokens, k, n_max=4, n_min=2):   # n from n_min up: a short, common suffix wins
+        for n in range(n_min, min(n_max, len(tokens) - 1) + 1):
+            i = search(tokens, n, range(len(tokens) - n - 1, -1, -1))
+            if i is not None:
+                return tokens[i + n:i + n + k]
+        return []
+    wrong = check_prompt_lookup(shortest_first)
+    assert wrong.ok is False and "the last 3 tokens" in wrong.message
+
+    def finds_itself(tokens, k, n_max=4, n_min=2):   # the suffix matches itself: nothing follows it
+        for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+            i = search(tokens, n, range(len(tokens) - n, -1, -1))
+            if i is not None:
+                return tokens[i + n:i + n + k]
+        return []
+    wrong = check_prompt_lookup(finds_itself)
+    assert wrong.ok is False and "you guessed []" in wrong.message
+
+    def stub(tokens, k, n_max=4, n_min=2):
+        raise NotImplementedError
+    assert check_prompt_lookup(stub).ok is None
 
 
 # ---- chapter 08 ----
@@ -656,8 +766,8 @@ def test_04_block_keys():
 
 def test_04_hit_rate():
     from mini_infer.course.exercises.ch04 import check_hit_rate
-    assert check_hit_rate(solution("04_prefix_cache.ipynb", "Exercise 4.2")["prediction"]).ok is True
-    naive = check_hit_rate(100 / 120)   # the whole prefix, as if partial blocks were shared
+    assert check_hit_rate(solution("04_prefix_cache.ipynb", "Exercise 4.3")["prediction"]).ok is True
+    naive = check_hit_rate(90 / 120)   # the whole prefix, as if partial blocks were shared
     assert naive.ok is False and "full blocks" in naive.message
     assert check_hit_rate(80).ok is False
     assert check_hit_rate(None).ok is None
@@ -665,13 +775,78 @@ def test_04_hit_rate():
 
 def test_04_unsalted_hits():
     from mini_infer.course.exercises.ch04 import check_unsalted_hits, cached_tokens
-    assert check_unsalted_hits(solution("04_prefix_cache.ipynb", "Exercise 4.3")["prediction"]).ok is True
-    whole = check_unsalted_hits(260)   # B's own last tokens counted too
+    assert check_unsalted_hits(solution("04_prefix_cache.ipynb", "Exercise 4.4")["prediction"]).ok is True
+    whole = check_unsalted_hits(210)   # B's own last tokens counted too
     assert whole.ok is False and "last tokens" in whole.message
+    assert check_unsalted_hits(208).ok is False   # the partial block counted as shared
     assert check_unsalted_hits(0).ok is False   # as if the cache were salted
     assert check_unsalted_hits(None).ok is None
-    secret = list(range(1000, 1256))
-    assert cached_tokens([secret + [7] * 4, secret + [9] * 4], salts=["a", "b"])[1] == 0   # a salt per tenant closes it
+    secret = list(range(1000, 1200))
+    assert cached_tokens([secret + [7] * 10, secret + [9] * 10], salts=["a", "b"])[1] == 0   # a salt per tenant closes it
+
+
+def _walk(kv, seq, start, stop, parent, take=False):
+    "The walk over a sequence's full blocks start..stop-1 from `parent`, as the wrong answers below vary it."
+    hits = []
+    for i in range(start, stop):
+        block = kv.allocator.lookup(parent, *kv.full_block(seq, i))
+        if block is None:
+            break
+        hits.append(block)
+        parent = block
+    if take:
+        kv.allocator.incref(hits)
+    return hits
+
+
+def test_04_match():
+    from mini_infer.course.exercises.ch04 import check_match
+    assert check_match(solution("04_prefix_cache.ipynb", "Exercise 4.2")["match"]).ok is True
+
+    def last(seq):
+        return seq.block_table.blocks[-1] if seq.block_table.blocks else None
+
+    def recursive(kv, seq, i=None, parent=...):   # a correct variant, written as a recursion
+        i = seq.num_computed_tokens // kv.block_size if i is None else i
+        parent = last(seq) if parent is ... else parent
+        if i >= (seq.num_tokens - 1) // kv.block_size:
+            return []
+        block = kv.allocator.lookup(parent, *kv.full_block(seq, i))
+        return [] if block is None else [block] + recursive(kv, seq, i + 1, block)
+    assert check_match(recursive).ok is True
+
+    def whole_prompt(kv, seq):   # takes the block of the last token too
+        S = kv.block_size
+        return _walk(kv, seq, seq.num_computed_tokens // S, seq.num_tokens // S, last(seq))
+    wrong = check_match(whole_prompt)
+    assert wrong.ok is False and "last token" in wrong.message and "request C" in wrong.message
+
+    def from_the_start(kv, seq):   # ignores what the sequence has computed
+        return _walk(kv, seq, 0, (seq.num_tokens - 1) // kv.block_size, None)
+    wrong = check_match(from_the_start)
+    assert wrong.ok is False and "64 computed" in wrong.message
+
+    def unchained(kv, seq):   # every lookup without its parent
+        S, hits = kv.block_size, []
+        for i in range(seq.num_computed_tokens // S, (seq.num_tokens - 1) // S):
+            block = kv.allocator.lookup(None, *kv.full_block(seq, i))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+    wrong = check_match(unchained)
+    assert wrong.ok is False and "request B found 16" in wrong.message
+
+    def takes_them(kv, seq):   # gives the blocks an owner as well: computed_tokens does that
+        S = kv.block_size
+        return _walk(kv, seq, seq.num_computed_tokens // S, (seq.num_tokens - 1) // S, last(seq), take=True)
+    wrong = check_match(takes_them)
+    assert wrong.ok is False and "leaked" in wrong.message and "after step" in wrong.message
+
+    def stub(kv, seq):
+        raise NotImplementedError
+    assert check_match(stub).ok is None
+
 
 # ---- chapter 01 ----
 

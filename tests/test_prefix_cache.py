@@ -32,7 +32,7 @@ def test_lru_keeps_cached_blocks_until_a_fresh_block_is_needed():
     keys = []
     for i, b in enumerate(blocks):
         keys.append(hash_block(keys[-1] if keys else None, [i] * 4))
-        assert alloc.register(b, blocks[i - 1] if i else None, keys[-1], [i] * 4) == b
+        assert alloc.cache_block(b, blocks[i - 1] if i else None, keys[-1], [i] * 4) == b
     alloc.free(blocks[::-1])                                             # a table frees its tail first
     alloc.check()
     assert (alloc.num_free, alloc.num_cached_free, alloc.num_used) == (4, 3, 0)
@@ -46,12 +46,32 @@ def test_lru_keeps_cached_blocks_until_a_fresh_block_is_needed():
     alloc.check()
 
 
-def test_register_adopts_an_identical_block_and_refuses_a_colliding_key():
+def test_cache_block_returns_an_identical_block_and_refuses_a_colliding_key():
     alloc = PrefixCachingAllocator(4, hash_fn=lambda *a: b"k")
     x, y, z = alloc.allocate(3)
-    assert alloc.register(x, None, b"k", [1, 2]) == x
-    assert alloc.register(y, None, b"k", [1, 2]) == x and alloc.ref_counts[x] == 2 and alloc.ref_counts[y] == 0
-    assert alloc.register(z, None, b"k", [3, 4]) is None                 # the key holds other tokens
+    assert alloc.cache_block(x, None, b"k", [1, 2]) == x
+    assert alloc.cache_block(y, None, b"k", [1, 2]) == x                    # the owner of y should hold x instead
+    assert alloc.ref_counts[x] == alloc.ref_counts[y] == 1 and y not in alloc.entries
+    assert alloc.cache_block(z, None, b"k", [3, 4]) is None                 # the key holds other tokens
+    alloc.check()
+
+
+def test_table_edits_keep_reference_counts():
+    "`BlockTable.share` appends blocks computed elsewhere (each gains an owner); `remap` points a block at its twin."
+    from mini_infer.engine.block_manager import BlockTable
+    alloc = PrefixCachingAllocator(6)
+    a, b = BlockTable(4), BlockTable(4)
+    assert a.append(8, alloc)
+    b.share(a.blocks, alloc)
+    assert b.blocks == a.blocks and b.num_tokens == 8 and all(alloc.ref_counts[x] == 2 for x in a.blocks)
+    assert b.append(2, alloc)
+    with pytest.raises(ValueError, match="partly filled"): b.share(a.blocks[:1], alloc)
+    twin = alloc.allocate(1)[0]
+    alloc.incref([twin]); alloc.free([a.blocks[1]]); a.remap(1, twin)   # the owner moves to the twin
+    assert a.blocks[1] == twin and alloc.ref_counts[twin] == 2 and alloc.ref_counts[b.blocks[1]] == 1
+    with pytest.raises(ValueError, match="no logical block"): b.remap(5, twin)
+    alloc.free([twin]); a.free(alloc); b.free(alloc)
+    assert alloc.num_used == 0
     alloc.check()
 
 
@@ -59,11 +79,11 @@ def test_a_reused_parent_never_passes_for_the_old_one():
     "A child entry names its parent's registration, not just its block number: keys here ignore the parent."
     alloc = PrefixCachingAllocator(2)
     p, c = alloc.allocate(2)
-    alloc.register(p, None, b"p1", [1]); alloc.register(c, p, b"c2", [2])
+    alloc.cache_block(p, None, b"p1", [1]); alloc.cache_block(c, p, b"c2", [2])
     assert alloc.lookup(p, b"c2", [2]) == c
     alloc.free([p, c])                                   # p is the least recently freed: evicted first
     assert alloc.allocate(1) == [p] and alloc.lookup(p, b"c2", [2]) is None
-    alloc.register(p, None, b"p7", [7])                  # block p now holds another prefix
+    alloc.cache_block(p, None, b"p7", [7])                  # block p now holds another prefix
     assert alloc.lookup(p, b"c2", [2]) is None           # c still names p's old registration
 
 

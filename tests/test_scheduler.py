@@ -245,9 +245,6 @@ def f(seq, other):
                    "priority", "text"}
 
 
-@pytest.mark.xfail(strict=True, reason="plugins/prefix_cache.py still writes table.blocks and "
-                   "table.num_tokens; it moves to BlockTable.share and BlockTable.remap (chapter 4). "
-                   "Remove this mark when it does.")
 def test_only_block_table_methods_change_a_block_table():
     "A block table's `blocks` and `num_tokens` change only through `BlockTable`'s own methods."
     bad = [f"{mod}:{line}: {obj}.{field}" for mod, tree in modules() if mod != "engine/block_manager.py"

@@ -9,8 +9,10 @@ from mini_infer.engine.llm import LLM, run_to_completion
 from mini_infer.model.model import CausalLM, ModelConfig
 from mini_infer.engine.reference import generate
 from mini_infer.engine.sampling import SamplingParams
-from mini_infer.plugins.speculative import (accept_probs, residual, rejection_sample, plan_guesses, expected_tokens, NgramProposer,
-                                    SpeculativeConfig)
+from mini_infer.plugins.speculative.config import SpeculativeConfig
+from mini_infer.plugins.speculative.plan import expected_tokens, plan_guesses
+from mini_infer.plugins.speculative.proposers import NgramProposer
+from mini_infer.plugins.speculative.verify import accept_probs, rejection_sample, residual
 
 
 # ---------------------------------------------------------------- the rejection sampler
@@ -316,7 +318,7 @@ def test_abort_frees_draft_blocks(llm, workload):
 
 
 @pytest.mark.parametrize("cfg, msg", [
-    (dict(method="medusa"), "unknown speculative method"),
+    (dict(method="medusa"), "unknown proposer 'medusa'; choose from"),   # the engine looks the method up by name
     (dict(method="ngram", num_speculative_tokens=0), "1..16"),
     (dict(method="ngram", num_speculative_tokens=17), "1..16"),
     (dict(method="ngram", prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_min"),

@@ -96,7 +96,9 @@ def _throughput(
     prompts (0% hits). Throughputs and ratios, and the hit rates of the shared rounds."""
     cuda = on.model.device.type == "cuda"  # float16 kernels may flip a near-tie: chapter 3's check
     params = [
-        SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, logprobs=2 if cuda else None)
+        SamplingParams(
+            temperature=0, max_tokens=output_len, ignore_eos=True, logprobs=2 if cuda else None
+        )
     ] * num_requests
     res, hit_rates, reuse = {"shared": [], "distinct": []}, [], []
     for r in range(rounds):
@@ -233,7 +235,8 @@ def format_prefix_table(r: dict) -> str:
         lines.append(f"{label:26s}{t['on_tok_s']:12.1f}{t['off_tok_s']:12.1f}{t['ratio']:8.3f}x")
     lines.append(f"{'chat turn':10s}{'prompt':>8s}{'hit rate':>10s}{'on (s)':>9s}{'off (s)':>9s}")
     lines += [
-        f"{c['turn']:<10d}{c['prompt_tokens']:8d}{100 * c['hit_rate']:9.1f}%{c['on_s']:9.2f}{c['off_s']:9.2f}"
+        f"{c['turn']:<10d}{c['prompt_tokens']:8d}{100 * c['hit_rate']:9.1f}%"
+        f"{c['on_s']:9.2f}{c['off_s']:9.2f}"
         for c in r["chat"]
     ]
     return "\n".join(lines)
