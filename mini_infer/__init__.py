@@ -9,8 +9,18 @@ Modules:
   build.
 - `mini_infer.course.exercise`: How every chapter's exercises report "correct", "not attempted yet"
   or what is wrong, and how the tests hold each check to its solution and to a wrong answer.
+- `mini_infer.course.exercises.ch01b`: Load real checkpoints into chapter 1's model (safetensors,
+  and GGUF dequantized once into a cache), rebuild a byte-level BPE tokenizer from GGUF metadata,
+  render chat templates in a sandbox, and stream text without broken characters.
+- `mini_infer.course.exercises.ch01c`: Turn logits into tokens, with per-row temperature, top-k,
+  top-p, min-p, penalties and seeds; end requests on EOS, stop strings and length while streaming
+  only safe text; and generate one request at a time: the reference every later chapter is checked
+  against.
 - `mini_infer.engine.scheduler`: One forward pass per step over every running request: finished ones
   leave, new ones join at once.
+- `mini_infer.model.model`: Build a Qwen2.5 / Llama decoder in plain PyTorch over layers that own
+  their weights: the config, RMSNorm, RoPE, grouped-query attention through a KV-cache interface,
+  SwiGLU, and a forward over packed tokens.
 - `mini_infer.plugins.prefix_cache`: Chats, agents and RAG send the same system prompt and history
   again and again. This chapter lets a request reuse the KV blocks an earlier request computed for
   the same tokens: full blocks keyed by a chain of hashes, shared with reference counts, kept after

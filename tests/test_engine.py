@@ -176,7 +176,7 @@ def test_half_precision_engine_equals_its_reference(dtype):
     chapter 1's loop in the same dtype. bfloat16 on the C attention, which computes in float32 where PyTorch rounds to
     bfloat16, may differ at near-ties only."""
     from mini_infer.model.model import CausalLM, ModelConfig
-    from mini_infer.course.teaching import assert_greedy_close
+    from mini_infer.bench.offline import assert_greedy_close
     cfg = ModelConfig(vocab_size=151, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, architecture="Qwen2ForCausalLM", attention_bias=True, max_position_embeddings=256)
     torch.manual_seed(0)

@@ -29,7 +29,7 @@ def test_engine_on_cuda_matches_chapter_1_up_to_near_ties():
     from mini_infer.engine.llm import run_to_completion
     from mini_infer.engine.reference import generate
     from mini_infer.engine.sampling import SamplingParams
-    from mini_infer.course.teaching import assert_greedy_close
+    from mini_infer.bench.offline import assert_greedy_close
     cfg = ModelConfig(vocab_size=151, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
                       num_key_value_heads=2, architecture="Qwen2ForCausalLM", attention_bias=True, max_position_embeddings=512)
     torch.manual_seed(0)
@@ -50,7 +50,7 @@ def test_speculative_engine_on_cuda_matches_plain_up_to_near_ties():
     from mini_infer.engine.engine import LLMEngine
     from mini_infer.engine.llm import run_to_completion
     from mini_infer.engine.sampling import SamplingParams
-    from mini_infer.course.teaching import assert_greedy_close
+    from mini_infer.bench.offline import assert_greedy_close
     cfg = ModelConfig(vocab_size=151, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
                       num_key_value_heads=2, architecture="Qwen2ForCausalLM", attention_bias=True, max_position_embeddings=512)
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ from ..engine.sampling import SamplingParams
 from ..engine.engine import LLMEngine
 from ..engine.llm import run_to_completion
 from .offline import length_range, sync_device, timed, device_name
-from ..course.teaching import assert_greedy_close
+from .offline import assert_greedy_close
 
 # %% ../../nbs/04_prefix_cache.ipynb #28afdf5b
 def time_to_first_token(

@@ -1,4 +1,6 @@
-"""Build a Qwen2.5 / Llama decoder in plain PyTorch over layers that own their weights: the config, RMSNorm, RoPE, grouped-query attention through a KV-cache interface, SwiGLU, and a forward over packed tokens.
+"""Build a Qwen2.5 / Llama decoder in plain PyTorch over layers that own their weights: the config,
+RMSNorm, RoPE, grouped-query attention through a KV-cache interface, SwiGLU, and a forward over
+packed tokens.
 
 Docs: https://mini-infer.github.io/mini-infer/model.html.md"""
 

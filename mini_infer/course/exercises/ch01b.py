@@ -1,4 +1,6 @@
-"""Load real checkpoints into chapter 1's model (safetensors, and GGUF dequantized once into a cache), rebuild a byte-level BPE tokenizer from GGUF metadata, render chat templates in a sandbox, and stream text without broken characters.
+"""Load real checkpoints into chapter 1's model (safetensors, and GGUF dequantized once into a
+cache), rebuild a byte-level BPE tokenizer from GGUF metadata, render chat templates in a
+sandbox, and stream text without broken characters.
 
 Docs: https://mini-infer.github.io/mini-infer/weights_and_tokens.html.md"""
 

@@ -1,4 +1,6 @@
-"""Turn logits into tokens, with per-row temperature, top-k, top-p, min-p, penalties and seeds; end requests on EOS, stop strings and length while streaming only safe text; and generate one request at a time: the reference every later chapter is checked against.
+"""Turn logits into tokens, with per-row temperature, top-k, top-p, min-p, penalties and seeds; end
+requests on EOS, stop strings and length while streaming only safe text; and generate one
+request at a time: the reference every later chapter is checked against.
 
 Docs: https://mini-infer.github.io/mini-infer/sampling_and_generate.html.md"""
 
