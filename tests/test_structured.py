@@ -13,7 +13,8 @@ from pydantic import BaseModel, Field
 from mini_infer import LLM
 from mini_infer.engine.sampling import InvalidRequest, SamplingParams
 from mini_infer.serve.server import ServerThread, build_app
-from mini_infer.plugins.structured import SCHEMA_SUITE, GrammarMasks, StructuredOutputsParams as SO
+from mini_infer.course.grammars import SCHEMA_SUITE
+from mini_infer.plugins.structured import GrammarMasks, StructuredOutputsParams as SO
 
 ASK = [{"role": "user", "content": "Reply with a JSON object for a fictional person: name and age."}]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
@@ -208,107 +209,3 @@ def test_bad_requests_are_400s_and_server_keeps_serving(client, kw, words):
         client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=5, **kw)
     assert all(w in e.value.body["message"] for w in words), e.value.body
     assert client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=2).choices[0].finish_reason == "length"
-
-
-# ---- tool calls ----
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"tz": {"type": "string", "maxLength": 20}}, "required": ["tz"]}}}
-Q = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
-def test_required_and_named_calls_validate(client, choice):
-    for seed in range(3):
-        out = client.chat.completions.create(model="smollm2", messages=Q, tools=[WEATHER, TIME], tool_choice=choice,
-                                             temperature=1.0, seed=seed, max_tokens=60)
-        assert out.choices[0].finish_reason == "tool_calls"
-        (call,) = out.choices[0].message.tool_calls
-        fn = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]
-        if isinstance(choice, dict):
-            assert call.function.name == "get_time"
-        jsonschema.validate(json.loads(call.function.arguments), fn["parameters"])
-
-
-def test_streamed_tool_call_equals_whole(client):
-    kw = dict(model="smollm2", messages=Q, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=60)
-    whole = client.chat.completions.create(**kw).choices[0]
-    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
-    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [c.choices[0].finish_reason for c in chunks][-1] == "tool_calls"
-    assert [(c.function.name, c.function.arguments) for c in calls] == \
-           [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-
-
-def test_tool_result_turn_and_none(client):
-    first = client.chat.completions.create(model="smollm2", messages=Q, tools=[WEATHER], tool_choice="required",
-                                           temperature=0, max_tokens=60).choices[0].message
-    call = first.tool_calls[0]
-    turn2 = Q + [first.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 18}'}]
-    out = client.chat.completions.create(model="smollm2", messages=turn2, tools=[WEATHER], tool_choice="none",
-                                         temperature=0, max_tokens=20).choices[0]
-    assert out.finish_reason in ("stop", "length") and not out.message.tool_calls and out.message.content
-
-
-def test_auto_parses_tool_call_tags():
-    from mini_infer.plugins.structured import ToolCalls
-    tools = ToolCalls(None, [WEATHER], "auto")
-    content, calls = tools.parse('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>')
-    assert content == "Let me check." and calls[0]["function"]["name"] == "get_weather"
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "celsius"}
-    assert tools.parse('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>')[1] == []  # not a known tool
-    assert tools.parse("It is sunny.") == ("It is sunny.", [])
-    assert ToolCalls(None, [WEATHER], "none").parse('<tool_call>{"name": "get_weather"}</tool_call>')[1] == []
-
-
-def test_tools_rendered_by_template_or_fallback(llm):
-    from mini_infer.plugins.structured import ToolCalls
-    from mini_infer.model.tokenizer import Tokenizer
-    msgs = Q + [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
-        "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-                {"role": "tool", "content": "18C"}]
-    fallback = llm.tokenizer.decode(ToolCalls(llm.tokenizer, [WEATHER]).prompt_ids(msgs), skip_special_tokens=False)
-    assert "<tools>" in fallback and '"name": "get_weather"' in fallback and "<tool_response>\n18C" in fallback
-    template = ("{% for t in tools or [] %}TOOL {{ t.function.name }}\n{% endfor %}{% for m in messages %}"
-                "{{ m.role }}: {{ m.content }}{% for c in m.tool_calls or [] %}CALL {{ c.function.arguments.city }}{% endfor %}\n{% endfor %}")
-    tok = Tokenizer(llm.tokenizer.tok, template, eos_token="<|im_end|>")
-    text = tok.decode(ToolCalls(tok, [WEATHER]).prompt_ids(msgs))
-    assert "TOOL get_weather" in text and "CALL Paris" in text and "<tools>" not in text  # arguments as a dict
-    assert "TOOL" not in tok.decode(ToolCalls(tok, [WEATHER], "none").prompt_ids(msgs))
-
-
-@pytest.mark.parametrize("kw, words", [
-    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, ["nope", "not in tools"]),
-    ({"tools": [{"type": "web_search"}]}, ["tools[0]"]),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strnig"}}}]}, ["not a valid JSON schema"]),
-    ({"tool_choice": "always"}, ["tool_choice must be"]),
-    ({"response_format": {"type": "json_object"}}, ["only one of"]),
-])
-def test_bad_tools_are_400s(client, kw, words):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="smollm2", messages=Q, max_tokens=5, **{"tools": [WEATHER], **kw})
-    assert all(w in e.value.body["message"] for w in words), e.value.body
-
-
-# ---- LangChain ----
-
-def test_langchain_with_structured_output_and_bind_tools(client):
-    langchain_openai = pytest.importorskip("langchain_openai")
-
-    class Person(BaseModel):
-        name: str = Field(max_length=20)
-        age: int = Field(ge=0, le=120)
-
-    chat = langchain_openai.ChatOpenAI(model="smollm2", base_url=str(client.base_url), api_key="none",
-                                       temperature=0, max_tokens=60, max_retries=0)
-    person = chat.with_structured_output(Person, method="json_schema").invoke(ASK[0]["content"])
-    assert isinstance(person, Person)
-    msg = chat.bind_tools([WEATHER], tool_choice="get_weather").invoke(Q[0]["content"])
-    assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
-    jsonschema.validate(msg.tool_calls[0]["args"], WEATHER["function"]["parameters"])

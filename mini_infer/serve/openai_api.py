@@ -183,19 +183,20 @@ _SAMPLING_FIELDS = (
 
 
 def request_constraints():
-    """What reads a request's `response_format`, `structured_outputs` and `tools`: chapter 10's
-    grammars, found by name in the registry, or (none installed) `NoConstraints`."""
+    """What reads a request's `response_format`, `structured_outputs` and `tools` (chapter 10's
+    grammars, found by name in the registry), or (none installed) `NoConstraints`."""
     found = names("constraints")
     return lookup("constraints", found[0]) if found else NoConstraints
 
 
 def sampling_params(
-    req: _GenerationRequest, max_tokens: int, logprobs: int | None, seed: int | None
+    req: _GenerationRequest, max_tokens: int, logprobs: int | None, seed: int | None,
+    structured=None,
 ) -> SamplingParams:
-    "The engine's SamplingParams for one choice; a range error becomes a 400 naming the parameter."
+    """The engine's SamplingParams for one choice (`structured`: what its answer must follow,
+    chapter 10); a range error becomes a 400 naming the parameter."""
     kw = {k: getattr(req, k) for k in _SAMPLING_FIELDS if getattr(req, k) is not None}
     try:
-        structured = request_constraints().from_request(req)
         return SamplingParams(
             **kw,
             max_tokens=max_tokens,
