@@ -5,6 +5,7 @@ __all__ = ['TOOLS_SYSTEM_PROMPT', 'check_tools', 'check_tool_choice', 'ToolCalls
 
 # %% ../../nbs/10_structured_outputs.ipynb #a10g0003
 import json, uuid
+from dataclasses import replace
 from ..engine.sampling import InvalidRequest
 from .grammars import StructuredOutputsParams, json_grammar, spec_format
 from .tool_parsers import ToolParser, get_tool_parser
@@ -88,22 +89,25 @@ class ToolCalls:
     def active(self) -> bool:
         return self.choice != "none"
 
-    def prompt_ids(self, messages: list[dict], **template_kwargs) -> list[int]:
+    def render(self, messages: list[dict], **template_kwargs) -> str:
         "The conversation with the tools: the template's own way if it has one, else the fallback."
         tools = self.tools if self.active else None
         if "tools" in (self.tok.chat_template or ""):
             messages = [_with_dict_arguments(m) for m in messages]
-            text = self.tok.apply_chat_template(messages, tools=tools, **template_kwargs)
-        else:
-            messages = _fallback_messages(messages, tools, self.parser)
-            text = self.tok.apply_chat_template(messages, **template_kwargs)
+            return self.tok.apply_chat_template(messages, tools=tools, **template_kwargs)
+        messages = _fallback_messages(messages, tools, self.parser)
+        return self.tok.apply_chat_template(messages, **template_kwargs)
+
+    def prompt_ids(self, messages: list[dict], **template_kwargs) -> list[int]:
+        "The rendered conversation's token ids."
+        text = self.render(messages, **template_kwargs)
         return self.tok.tok.encode(text, add_special_tokens=False).ids
 
     def structured_outputs(self, answer: StructuredOutputsParams | None = None):
         """What the answer must follow: with 'required' or a named function, calls to the allowed
         functions (one, or several if parallel); with 'auto' and an answer format (the request's
         `response_format`), a call or an answer in that format; else the answer format alone."""
-        if not self.active or (self.choice == "auto" and answer is None):
+        if not self.active or (self.choice == "auto" and (answer is None or answer.kind is None)):
             return answer
         one = lambda n: {
             "type": "object",
@@ -118,7 +122,11 @@ class ToolCalls:
         fmt = self.parser.calls_format(call, self.parallel)
         if self.choice == "auto":
             fmt = {"type": "or", "elements": [fmt, spec_format(answer)]}
-        return StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": fmt})
+        tag = StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": fmt})
+        if answer is None:
+            return tag
+        rules = {"min_tokens": answer.min_tokens, "allowed_token_ids": answer.allowed_token_ids}
+        return replace(tag, **rules)
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
         "(content, tool_calls) of a whole answer, the calls as OpenAI writes them."

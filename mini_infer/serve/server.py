@@ -12,7 +12,7 @@ import asyncio, concurrent.futures, hmac, os, socket, threading, time
 
 # %% ../../nbs/06_server.ipynb #da8c75de
 from types import SimpleNamespace
-import uvicorn
+import jinja2, uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -25,7 +25,7 @@ from mini_infer.serve.openai_api import (
     request_constraints,
 )
 from .async_engine import AsyncEngine, EngineDead, log
-from .generation import Generation
+from .generation import Extras, Generation
 
 # %% ../../nbs/06_server.ipynb #bb0e543c
 def serve(
@@ -238,7 +238,12 @@ class OpenAIServer:
 
     def structured(self, req, tools):
         "What the answers must follow: the response format, and with tools their calls."
-        answer = request_constraints().from_request(req)
+        constraints = request_constraints()
+        if constraints is NoConstraints and (req.min_tokens or req.allowed_token_ids):
+            param = "min_tokens" if req.min_tokens else "allowed_token_ids"
+            raise InvalidRequest(f"'{param}' needs chapter 10's plug-in: pip install xgrammar",
+                                 param=param)
+        answer = constraints.from_request(req)
         return tools.structured_outputs(answer) if tools else answer
 
     def expand(self, req, prompt_ids: list[list[int]], max_tokens, logprobs, structured):
@@ -252,18 +257,26 @@ class OpenAIServer:
                 params.append(sampling_params(req, budget, logprobs, seed, structured))
         return prompts, params
 
+    def truncate(self, req, ids: list[int]) -> list[int]:
+        "vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: as many as fit)."
+        k = req.truncate_prompt_tokens
+        k = self.ctx - 1 if k == -1 else k
+        return ids[-k:] if k and len(ids) > k else ids
+
     async def generate(self, request, req, prompt_ids, max_tokens, logprobs, param, kind,
-                       tools=None):
+                       tools=None, echo=None):
         "Both endpoints' work once the prompt is token ids; `kind` is 'chat' or 'completion'."
         try:
             structured = self.structured(req, tools)
         except InvalidRequest as e:
             raise APIError(400, str(e), param=e.param) from None
+        prompt_ids = [self.truncate(req, ids) for ids in prompt_ids]
         prompts, params = self.expand(req, prompt_ids, max_tokens, logprobs, structured)
-        num_prompt_tokens = sum(len(p) for p in prompt_ids)
-        gen = Generation(self.engine, kind, self.model_name, self.tok, logprobs,
-                         num_prompt_tokens, req.n, req.cache_salt, tools)
-        await gen.submit(prompts, params, self.max_waiting, param)
+        extras = Extras(req.request_id, echo if req.echo else None, req.return_token_ids,
+                        req.return_tokens_as_token_ids)
+        gen = Generation(self.engine, kind, self.model_name, self.tok, logprobs, prompt_ids,
+                         req.n, req.cache_salt, tools, extras)
+        await gen.submit(prompts, params, self.max_waiting, param, req.priority)
         if not req.stream:
             return await gen.collect(request)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -272,6 +285,32 @@ class OpenAIServer:
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
+
+    def chat_prompt(self, req, messages: list[dict], tools) -> list[int]:
+        """The conversation rendered by the chat template (with vLLM's arguments for it: its
+        `chat_template_kwargs`, `documents`, `continue_final_message`, ...), as token ids."""
+        kwargs = dict(req.chat_template_kwargs or {})
+        if {"messages", "tools"} & set(kwargs):
+            raise APIError(400, "chat_template_kwargs may not set messages or tools",
+                           param="chat_template_kwargs")
+        extra = {"documents": req.documents, "reasoning_effort": req.reasoning_effort}
+        kwargs.update({k: v for k, v in extra.items() if v is not None})
+        kwargs["add_generation_prompt"] = (
+            req.add_generation_prompt and not req.continue_final_message
+        )
+        try:
+            if tools:
+                text = tools.render(messages, **kwargs)
+            else:
+                text = self.tok.apply_chat_template(messages, **kwargs)
+        except (jinja2.TemplateError, TypeError, ValueError) as e:
+            raise APIError(400, f"The chat template failed: {e}", param="messages") from None
+        last = messages[-1]["content"]
+        if req.continue_final_message and last and last in text:  # the last turn stays open
+            text = text[: text.rindex(last) + len(last)]
+        ids = self.tok.tok.encode(text, add_special_tokens=False).ids
+        bos = self.tok.bos_token_id
+        return [bos] + ids if req.add_special_tokens and bos is not None else ids
 
     async def chat_completions(self, request: Request):
         req = await self.read(request, ChatCompletionRequest)
@@ -291,13 +330,14 @@ class OpenAIServer:
             tools = self.tool_calls(req)
         except InvalidRequest as e:
             raise APIError(400, str(e), param=e.param) from None
-        ids = tools.prompt_ids(messages) if tools else self.tok.encode_chat(messages)
+        ids = self.chat_prompt(req, messages, tools)
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        echo = [messages[-1]["content"] if messages[-1]["role"] == "assistant" else ""]
         return await self.generate(
-            request, req, [ids], max_tokens, logprobs, "messages", "chat", tools
+            request, req, [ids], max_tokens, logprobs, "messages", "chat", tools, echo
         )
 
     async def completions(self, request: Request):
@@ -305,10 +345,16 @@ class OpenAIServer:
         prompts = as_prompt_list(req.prompt)
         if not prompts:
             raise APIError(400, "The prompt is empty", param="prompt")
-        ids = [self.tok.encode(x) if isinstance(x, str) else list(x) for x in prompts]
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "'echo' with 'logprobs' needs the prompt's logprobs, which this "
+                           "server does not compute", param="echo", code="unsupported_parameter")
+        plain = lambda x: self.tok.tok.encode(x, add_special_tokens=False).ids
+        encode = plain if req.add_special_tokens is False else self.tok.encode
+        ids = [encode(x) if isinstance(x, str) else list(x) for x in prompts]
+        echo = [x if isinstance(x, str) else self.tok.decode(x) for x in prompts]
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         return await self.generate(
-            request, req, ids, max_tokens, req.logprobs, "prompt", "completion"
+            request, req, ids, max_tokens, req.logprobs, "prompt", "completion", None, echo
         )
 
     async def models(self, request: Request):
