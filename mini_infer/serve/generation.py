@@ -61,6 +61,7 @@ def final_reason(reason: str | None, called: bool) -> str | None:
 
 # %% ../../nbs/06_server.ipynb #bc04ff33
 # %% ../../nbs/06_server.ipynb #bc04ff33
+# %% ../../nbs/06_server.ipynb #bc04ff33
 class Generation:
     """One chat or text completion request: submit its engine requests, then stream or collect
     their outputs as OpenAI JSON. Each choice's text becomes deltas (with tools, through chapter
@@ -224,19 +225,24 @@ class Generation:
                 choice["prompt_token_ids"] = self.prompt_ids[i // self.n]
         return choice
 
-    async def collect(self, request: Request) -> dict:
-        "The whole response at once; if the client leaves first, its requests are aborted."
+    async def gather(self, request: Request):
+        """Each choice's deltas, logprobs, token ids and finish reason, once all finished; if the
+        client leaves first, its requests are aborted."""
         work = asyncio.ensure_future(self._gather())
         gone = asyncio.ensure_future(_listen_for_disconnect(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not work.done():
                 raise APIError(499, "client disconnected")
-            deltas, lps, ids, reasons = work.result()
+            return work.result()
         finally:
             for t in (work, gone):
                 t.cancel()
             self.abort()
+
+    async def collect(self, request: Request) -> dict:
+        "The whole response at once."
+        deltas, lps, ids, reasons = await self.gather(request)
         chat = self.kind == "chat"
         choices = [self._choice(i, *c) for i, c in enumerate(zip(deltas, lps, ids, reasons))]
         obj = "chat.completion" if chat else "text_completion"

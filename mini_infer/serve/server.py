@@ -11,9 +11,11 @@ __all__ = ['serve', 'free_port', 'ServerThread', 'run_sync', 'OpenAIServer', 'bu
 import asyncio, concurrent.futures, hmac, os, socket, threading, time
 
 # %% ../../nbs/06_server.ipynb #da8c75de
+import json
 from types import SimpleNamespace
 import jinja2, uvicorn
 from fastapi import FastAPI, Request
+from pydantic import ValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine.sampling import InvalidRequest
@@ -26,6 +28,9 @@ from mini_infer.serve.openai_api import (
 )
 from .async_engine import AsyncEngine, EngineDead, log
 from .generation import Extras, Generation
+from mini_infer.serve.responses import (
+    ResponsesRequest, ResponseWriter, chat_body, stream_response, whole_response,
+)
 
 # %% ../../nbs/06_server.ipynb #bb0e543c
 def serve(
@@ -263,9 +268,9 @@ class OpenAIServer:
         k = self.ctx - 1 if k == -1 else k
         return ids[-k:] if k and len(ids) > k else ids
 
-    async def generate(self, request, req, prompt_ids, max_tokens, logprobs, param, kind,
-                       tools=None, echo=None):
-        "Both endpoints' work once the prompt is token ids; `kind` is 'chat' or 'completion'."
+    async def start(self, req, prompt_ids, max_tokens, logprobs, param, kind, tools=None,
+                    echo=None) -> Generation:
+        "Submit either endpoint's engine requests, once the prompt is token ids."
         try:
             structured = self.structured(req, tools)
         except InvalidRequest as e:
@@ -277,14 +282,17 @@ class OpenAIServer:
         gen = Generation(self.engine, kind, self.model_name, self.tok, logprobs, prompt_ids,
                          req.n, req.cache_salt, tools, extras)
         await gen.submit(prompts, params, self.max_waiting, param, req.priority)
+        return gen
+
+    async def generate(self, request, req, prompt_ids, max_tokens, logprobs, param, kind,
+                       tools=None, echo=None):
+        "Both endpoints' answer: streamed, or whole; `kind` is 'chat' or 'completion'."
+        gen = await self.start(req, prompt_ids, max_tokens, logprobs, param, kind, tools, echo)
         if not req.stream:
             return await gen.collect(request)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(
-            gen.stream(include_usage),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
-        )
+        return StreamingResponse(gen.stream(include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     def chat_prompt(self, req, messages: list[dict], tools) -> list[int]:
         """The conversation rendered by the chat template (with vLLM's arguments for it: its
@@ -312,12 +320,8 @@ class OpenAIServer:
         bos = self.tok.bos_token_id
         return [bos] + ids if req.add_special_tokens and bos is not None else ids
 
-    async def chat_completions(self, request: Request):
-        req = await self.read(request, ChatCompletionRequest)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(
-                400, "'top_logprobs' requires 'logprobs' to be true", param="top_logprobs"
-            )
+    def chat_input(self, req) -> tuple[list[dict], object, list[int]]:
+        "A chat request's messages, its tools (chapter 10's `ToolCalls`) and its prompt's ids."
         messages = [
             {
                 "role": "system" if m.role == "developer" else m.role,
@@ -330,7 +334,15 @@ class OpenAIServer:
             tools = self.tool_calls(req)
         except InvalidRequest as e:
             raise APIError(400, str(e), param=e.param) from None
-        ids = self.chat_prompt(req, messages, tools)
+        return messages, tools, self.chat_prompt(req, messages, tools)
+
+    async def chat_completions(self, request: Request):
+        req = await self.read(request, ChatCompletionRequest)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(
+                400, "'top_logprobs' requires 'logprobs' to be true", param="top_logprobs"
+            )
+        messages, tools, ids = self.chat_input(req)
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
@@ -339,6 +351,22 @@ class OpenAIServer:
         return await self.generate(
             request, req, [ids], max_tokens, logprobs, "messages", "chat", tools, echo
         )
+
+    async def responses(self, request: Request):
+        "OpenAI's Responses API: the request as a chat completion, its answer as output items."
+        req = await self.read(request, ResponsesRequest)
+        try:
+            chat = ChatCompletionRequest.model_validate_json(json.dumps(chat_body(req)))
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise APIError(400, f"Invalid input: {err['msg']} at {err['loc']}", param="input")
+        _, tools, ids = self.chat_input(chat)
+        gen = await self.start(chat, [ids], chat.max_tokens, None, "input", "chat", tools)
+        writer = ResponseWriter(req, self.model_name)
+        if not req.stream:
+            return await whole_response(gen, writer, request)
+        return StreamingResponse(stream_response(gen, writer), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     async def completions(self, request: Request):
         req = await self.read(request, CompletionRequest)
@@ -403,6 +431,7 @@ def build_app(
     _add_error_handlers(app)
     app.post("/v1/chat/completions")(server.chat_completions)
     app.post("/v1/completions")(server.completions)
+    app.post("/v1/responses")(server.responses)
     app.get("/v1/models")(server.models)
     app.get("/health")(server.health)
     app.get("/metrics")(server.metrics)
