@@ -209,3 +209,88 @@ def test_bad_requests_are_400s_and_server_keeps_serving(client, kw, words):
         client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=5, **kw)
     assert all(w in e.value.body["message"] for w in words), e.value.body
     assert client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=2).choices[0].finish_reason == "length"
+
+
+# ---- mixed batches (issue 42): constrained and unconstrained requests in one batch ----
+
+from mini_infer.plugins.structured import GrammarConstraints, fill_masks
+from mini_infer.plugins.tool_calls import ToolCalls
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+PLAIN = ["The three primary colors are", "Once upon a time, in a small village,", "def fibonacci(n):",
+         "The capital of Japan is"]
+
+
+def mixed_batch(llm):
+    "(prompt, params, check) for constrained (schema, choice, regex, tool call) and plain requests, interleaved."
+    chat = lambda text: llm.tokenizer.encode_chat([{"role": "user", "content": text}])
+    tools = ToolCalls(llm.tokenizer, [WEATHER_TOOL], "required", parallel=False)
+    tool_prompt = tools.prompt_ids([{"role": "user", "content": "Weather in Oslo?"}])
+    def tool_ok(text):
+        _, calls = tools.parse(text)
+        return len(calls) == 1 and validates(calls[0]["function"]["arguments"], WEATHER_TOOL["function"]["parameters"])
+    sp = lambda so=None, seed=None, t=0.0: SamplingParams(temperature=t, seed=seed, max_tokens=40, structured_outputs=so)
+    return [
+        (PLAIN[0], sp(), None),
+        (chat(ASK[0]["content"]), sp(SO(json=PERSON), 1, 1.0), lambda t: validates(t, PERSON)),
+        (PLAIN[1], sp(seed=7, t=1.0), None),
+        (chat("Is the sky blue? yes or no"), sp(SO(choice=["yes", "no"]), 2, 1.0), lambda t: t in ("yes", "no")),
+        (PLAIN[2], sp(), None),
+        (chat("Name a month and a year."), sp(SO(regex=r"[A-Z][a-z]+ \d{4}")), lambda t: re.fullmatch(r"[A-Z][a-z]+ \d{4}", t)),
+        (tool_prompt, sp(tools.structured_outputs(), 3, 1.0), tool_ok),
+        (PLAIN[3], sp(seed=9, t=0.8), None),
+    ]
+
+
+def run_mixed(llm) -> list[str]:
+    "What went wrong with a mixed batch: invalid constrained answers, refused tokens, plain answers that differ alone."
+    jobs = mixed_batch(llm)
+    constraints, before = llm.engine.scheduler.constraints, llm.engine.scheduler.constraints.rejected
+    outs = llm.generate([p for p, _, _ in jobs], [s for _, s, _ in jobs], use_tqdm=False)
+    errors = [f"invalid: {o.text!r}" for (_, _, ok), o in zip(jobs, outs) if ok and o.finish_reason == "stop"
+              and not ok(o.text)]
+    errors += [f"cut: {o.text!r}" for (_, _, ok), o in zip(jobs, outs) if ok and o.finish_reason != "stop"]
+    if constraints.rejected != before:
+        errors.append(f"the grammar rejected {constraints.rejected - before} sampled tokens")
+    for (p, s, ok), o in zip(jobs, outs):
+        if ok is None and llm.generate([p], [s], use_tqdm=False)[0].token_ids != o.token_ids:
+            errors.append(f"plain answer differs from the same request alone: {o.text!r}")
+    return errors
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    return LLM(kv_cache_memory_gb=0.25, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_mixed_batches(llm, spec_llm, speculative):
+    "Constrained answers valid, 0 tokens refused, each plain answer equal to the same request run alone."
+    engine = spec_llm if speculative else llm
+    assert run_mixed(engine) == []
+    if speculative:
+        assert engine.engine.stats()["spec_decode_num_draft_tokens_total"] > 0
+
+
+def _shifted_masks(self, rows):
+    "A planted bug (issue 42): unconstrained rows not counted, so the masks land on earlier rows."
+    todo, n = [], 0
+    for seq, guesses in rows:
+        m = self.matchers.get(seq.request_id)
+        if m is not None and not m.is_terminated():
+            todo.append((n, m, guesses))
+            n += 1 + len(guesses)
+    if not todo:
+        return None
+    bitmask = self.compiler.xgr.allocate_token_bitmask(sum(1 + len(g) for _, g in rows), self.vocab_size)
+    return GrammarMasks(bitmask, [r for row, m, g in todo for r in fill_masks(m, bitmask, row, g)])
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_mixed_batches_catch_shifted_masks(llm, spec_llm, speculative, monkeypatch):
+    "The check above can fail: with the masks shifted onto earlier rows, it reports the damage."
+    monkeypatch.setattr(GrammarConstraints, "logits_processor", _shifted_masks)
+    errors = run_mixed(spec_llm if speculative else llm)
+    assert any(e.startswith("plain answer differs") for e in errors), errors
+    assert any("rejected" in e or e.startswith(("invalid", "cut")) for e in errors), errors

@@ -103,6 +103,8 @@ def fill_masks(m, bitmask, row: int, guesses: list[int]) -> list[int]:
     """Fill matcher `m`'s masks into rows `row`.. of `bitmask`: one, then one per guess, walking
     through the guesses and back. Returns the rows filled."""
     for j in range(len(guesses) + 1):
+        if m.is_terminated():  # a guessed stop token ends the answer: no row after it counts
+            break
         m.fill_next_token_bitmask(bitmask, row + j)
         if j < len(guesses):
             m.accept_token(guesses[j])  # valid: `allowed_guesses` kept only those
