@@ -294,3 +294,20 @@ def test_mixed_batches_catch_shifted_masks(llm, spec_llm, speculative, monkeypat
     errors = run_mixed(spec_llm if speculative else llm)
     assert any(e.startswith("plain answer differs") for e in errors), errors
     assert any("rejected" in e or e.startswith(("invalid", "cut")) for e in errors), errors
+
+
+def test_runaway_json_says_length_and_a_penalty_fixes_it(client):
+    "Greedy JSON that repeats inside a string until max_tokens: the answer says it was cut (issue 42)."
+    ask = [{"role": "user", "content": "List three fruits as JSON."}]
+    kw = dict(model="smollm2", messages=ask, response_format={"type": "json_object"}, temperature=0, max_tokens=300)
+    cut = client.chat.completions.create(**kw).choices[0]
+    assert cut.finish_reason == "length" and "pineberry-pineberry-" in cut.message.content
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut.message.content)
+    streamed = [c.choices[0].finish_reason for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    assert streamed[-1] == "length"
+    fixed = client.chat.completions.create(**kw, frequency_penalty=0.5).choices[0]
+    assert fixed.finish_reason == "stop" and isinstance(json.loads(fixed.message.content), dict)
+    resp = client.responses.create(model="smollm2", input=ask[0]["content"], temperature=0, max_output_tokens=300,
+                                   text={"format": {"type": "json_object"}})
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
