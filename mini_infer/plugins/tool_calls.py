@@ -10,11 +10,6 @@ from ..engine.sampling import InvalidRequest
 from .grammars import StructuredOutputsParams, json_grammar, spec_format
 from .tool_parsers import ToolParser, get_tool_parser
 
-try:  # an optional dependency (the `course` extra), imported with the plug-in: it takes seconds
-    import jsonschema
-except ImportError:
-    jsonschema = None
-
 # %% ../../nbs/10_structured_outputs.ipynb #c04371ea
 # the fallback for chat templates that know no tools (Qwen2.5's own words, shortened)
 TOOLS_SYSTEM_PROMPT = """You may call one of these functions to answer the user. \
@@ -28,7 +23,9 @@ Their signatures, as JSON schemas:
 # %% ../../nbs/10_structured_outputs.ipynb #c3aedf3f
 def check_tools(tools: list[dict]) -> dict:
     "{name: parameters schema} of `tools`, or an InvalidRequest naming the tool that is wrong."
-    if jsonschema is None:
+    try:  # an optional dependency (the `course` extra)
+        import jsonschema
+    except ImportError:
         raise InvalidRequest("tools need jsonschema on the server: pip install jsonschema", "tools")
     functions = {}
     for i, t in enumerate(tools):

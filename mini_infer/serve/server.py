@@ -192,8 +192,9 @@ class OpenAIServer:
         self.model_name, self.api_key = model_name or llm.model_name, api_key
         self.max_waiting, self.max_body_bytes = max_waiting, max_body_bytes
         self.tool_call_parser = tool_call_parser
-        if tool_call_parser != "auto":  # a name no parser answers to fails now, not per request
-            self.tool_calls(_PROBE)
+        # a parser name that names none fails now, not per request; and what checks tools is
+        # imported now (seconds, on a busy machine), not by the first request with tools
+        self.tool_calls(_PROBE)
 
     def check_auth(self, request: Request):
         if self.api_key is None:
