@@ -1280,7 +1280,7 @@ def test_ch10_allowed_tokens():
     from mini_infer.course.exercises.ch10 import check_allowed
     ns = solution("10_structured_outputs.ipynb", "Exercise 10.1")
     assert check_allowed(ns["allowed"]).ok is True
-    from mini_infer.plugins.structured import walk
+    from mini_infer.course.grammars import walk
     # a plausible mistake: allowing a token if its FIRST character has an edge
     first_only = lambda dfa, acc, s, vocab: [t for t in vocab if (s in acc if t == "<eos>" else walk(dfa, s, t[0]) is not None)]
     wrong = check_allowed(first_only)

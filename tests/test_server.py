@@ -251,12 +251,18 @@ BAD = [  # (path, body, status, param)
     ("/v1/chat/completions", {**_CHAT, "response_format": {"type": "yaml"}}, 400, "response_format.type"),
     ("/v1/chat/completions", {**_CHAT, "guided_json": {"type": "object"}}, 400, "guided_json"),
     ("/v1/chat/completions", {**_CHAT, "logit_bias": {"1": 5}}, 400, "logit_bias"),
-    ("/v1/chat/completions", {**_CHAT, "temprature": 0.5}, 400, "temprature"),
+    ("/v1/chat/completions", {**_CHAT, "use_beam_search": True}, 400, "use_beam_search"),
+    ("/v1/chat/completions", {**_CHAT, "chat_template": "{{ messages }}"}, 400, "chat_template"),
+    ("/v1/chat/completions", {**_CHAT, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
+    ("/v1/chat/completions", {**_CHAT, "min_tokens": -1}, 400, "min_tokens"),
+    ("/v1/chat/completions", {**_CHAT, "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ("/v1/chat/completions", {**_CHAT, "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
+    ("/v1/chat/completions", {**_CHAT, "stop_token_ids": ["a"]}, 400, "stop_token_ids.0"),
     ("/v1/chat/completions", {**_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {**_CHAT, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
     ("/v1/chat/completions", {**_CHAT, "max_tokens": 100_000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 9}, 400, "logprobs"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
@@ -417,3 +423,100 @@ def test_cached_tokens_with_n_choices(client):
     assert again.usage.prompt_tokens_details.cached_tokens == full_blocks > 0
     assert both.usage.prompt_tokens == once.usage.prompt_tokens and len(both.choices) == 2
     assert both.usage.prompt_tokens_details.cached_tokens == full_blocks
+
+
+# ---- vLLM's extras (issue 42): a body written for vLLM is served, and what the engine can honour, it does ----
+
+VLLM_BODY = {  # a chat request as a client written for vLLM sends it (vLLM's documented extra parameters)
+    "model": MODEL, "messages": MSGS, "max_tokens": 24, "temperature": 0.8, "top_p": 0.95, "seed": 3,
+    "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.05, "min_tokens": 12, "stop_token_ids": [],
+    "include_stop_str_in_output": False, "ignore_eos": False, "skip_special_tokens": True,
+    "spaces_between_special_tokens": True, "use_beam_search": False, "length_penalty": 1.0,
+    "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [], "echo": False,
+    "add_generation_prompt": True, "continue_final_message": False, "add_special_tokens": False,
+    "chat_template_kwargs": {"enable_thinking": False}, "documents": None, "priority": 0,
+    "request_id": "abc-123", "return_tokens_as_token_ids": False, "return_token_ids": True,
+    "truncate_prompt_tokens": None, "structured_outputs": None, "logit_bias": None, "user": "u1",
+    "kv_transfer_params": None, "vllm_xargs": {"tag": "x"}, "mm_processor_kwargs": {}, "cache_salt": "s1",
+    "some_future_field": 1,  # unknown: ignored, as vLLM does
+}
+
+
+def test_vllm_style_body(server, llm):
+    from mini_infer.plugins.structured import StructuredOutputsParams
+    r = httpx.post(server + "/v1/chat/completions", json=VLLM_BODY, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"] == "chatcmpl-abc-123"
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=3, top_k=20, min_p=0.05, repetition_penalty=1.05,
+                            max_tokens=24, structured_outputs=StructuredOutputsParams(min_tokens=12))
+    ref = llm.generate([llm.tokenizer.encode_chat(MSGS)], params)[0]  # the offline engine, same parameters
+    assert body["choices"][0]["token_ids"] == ref.token_ids and body["choices"][0]["message"]["content"] == ref.text
+    assert body["prompt_token_ids"] == ref.prompt_token_ids and len(ref.token_ids) >= 12
+
+
+HI = [{"role": "user", "content": "Say hi."}]
+
+
+def test_vllm_sampling_extras(client, llm):
+    chat = lambda **kw: client.chat.completions.create(model=MODEL, messages=HI, **{"max_tokens": 60, "temperature": 0, **kw})
+    greedy_ = chat(extra_body={"return_token_ids": True})
+    ids, text = greedy_.choices[0].model_extra["token_ids"], greedy_.choices[0].message.content
+    assert greedy_.choices[0].finish_reason == "stop" and len(ids) < 40
+    longer = chat(extra_body={"min_tokens": len(ids) + 10})  # the stop token is banned until then
+    assert longer.usage.completion_tokens >= len(ids) + 10 and longer.choices[0].message.content.startswith(text)
+    cut = chat(extra_body={"stop_token_ids": [ids[2]], "return_token_ids": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.model_extra["token_ids"] == ids[:3]
+    assert chat(temperature=1.5, seed=5, extra_body={"top_k": 1}).choices[0].message.content == text
+    penalised = chat(extra_body={"repetition_penalty": 1.3}).choices[0].message.content
+    ref = llm.generate([llm.tokenizer.encode_chat(HI)], SamplingParams(temperature=0, max_tokens=60,
+                                                                         repetition_penalty=1.3))[0]
+    assert penalised == ref.text != text
+    allowed = llm.tokenizer.encode(" hello world")
+    only = chat(max_tokens=8, extra_body={"allowed_token_ids": allowed, "return_token_ids": True}).choices[0]
+    assert set(only.model_extra["token_ids"]) <= set(allowed)
+    as_ids = chat(max_tokens=2, logprobs=True, extra_body={"return_tokens_as_token_ids": True})
+    assert as_ids.choices[0].logprobs.content[0].token == f"token_id:{ids[0]}"
+
+
+def test_vllm_prompt_extras(client, llm):
+    prompt = "The three primary colors are"
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, echo=True)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    short = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={"truncate_prompt_tokens": 3})
+    assert short.usage.prompt_tokens == 3
+    opened = [*MSGS, {"role": "assistant", "content": "The capital of France is"}]
+    kw = dict(model=MODEL, messages=opened, max_tokens=6, temperature=0)
+    cont = client.chat.completions.create(**kw, extra_body={"continue_final_message": True, "echo": True,
+                                                            "add_generation_prompt": False, "return_token_ids": True})
+    prompt_ids = cont.model_extra["prompt_token_ids"]
+    assert llm.tokenizer.decode(prompt_ids, skip_special_tokens=False).endswith("The capital of France is")
+    assert cont.choices[0].message.content.startswith("The capital of France is ")  # echoed, then continued
+    streamed = client.chat.completions.create(**kw, stream=True, extra_body={"continue_final_message": True,
+                                                                            "echo": True})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == cont.choices[0].message.content
+
+
+def test_chat_template_kwargs(llm):
+    "vLLM's chat_template_kwargs reach the template; a template that fails is a 400, and the server goes on."
+    from types import SimpleNamespace
+    from mini_infer.model.tokenizer import Tokenizer
+    from mini_infer.serve.server import ServerThread, build_app
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if think %}<think>{% endif %}{% if strict %}{{ raise_exception('no strict mode') }}{% endif %}"
+                "<|im_start|>assistant\n")
+    tok = Tokenizer(llm.tokenizer.tok, template, eos_token="<|im_end|>")
+    srv = ServerThread(build_app(SimpleNamespace(engine=llm.engine, tokenizer=tok, model_name=MODEL)))
+    try:
+        c = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        ask = lambda kw: c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1, extra_body={
+            "return_token_ids": True, **kw}).model_extra["prompt_token_ids"]
+        assert "<think>" in tok.decode(ask({"chat_template_kwargs": {"think": True}}), skip_special_tokens=False)
+        assert "<think>" not in tok.decode(ask({}), skip_special_tokens=False)
+        with pytest.raises(APIStatusError) as e:
+            ask({"chat_template_kwargs": {"strict": True}})
+        assert e.value.status_code == 400 and "no strict mode" in e.value.message
+        assert c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1).choices[0].finish_reason
+    finally:
+        srv.stop()

@@ -13,7 +13,8 @@ from pydantic import BaseModel, Field
 from mini_infer import LLM
 from mini_infer.engine.sampling import InvalidRequest, SamplingParams
 from mini_infer.serve.server import ServerThread, build_app
-from mini_infer.plugins.structured import SCHEMA_SUITE, GrammarMasks, StructuredOutputsParams as SO
+from mini_infer.course.grammars import SCHEMA_SUITE
+from mini_infer.plugins.structured import GrammarMasks, StructuredOutputsParams as SO
 
 ASK = [{"role": "user", "content": "Reply with a JSON object for a fictional person: name and age."}]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
@@ -210,105 +211,103 @@ def test_bad_requests_are_400s_and_server_keeps_serving(client, kw, words):
     assert client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=2).choices[0].finish_reason == "length"
 
 
-# ---- tool calls ----
+# ---- mixed batches (issue 42): constrained and unconstrained requests in one batch ----
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"tz": {"type": "string", "maxLength": 20}}, "required": ["tz"]}}}
-Q = [{"role": "user", "content": "What is the weather in Paris?"}]
+from mini_infer.plugins.structured import GrammarConstraints, fill_masks
+from mini_infer.plugins.tool_calls import ToolCalls
 
-
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
-def test_required_and_named_calls_validate(client, choice):
-    for seed in range(3):
-        out = client.chat.completions.create(model="smollm2", messages=Q, tools=[WEATHER, TIME], tool_choice=choice,
-                                             temperature=1.0, seed=seed, max_tokens=60)
-        assert out.choices[0].finish_reason == "tool_calls"
-        (call,) = out.choices[0].message.tool_calls
-        fn = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]
-        if isinstance(choice, dict):
-            assert call.function.name == "get_time"
-        jsonschema.validate(json.loads(call.function.arguments), fn["parameters"])
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+PLAIN = ["The three primary colors are", "Once upon a time, in a small village,", "def fibonacci(n):",
+         "The capital of Japan is"]
 
 
-def test_streamed_tool_call_equals_whole(client):
-    kw = dict(model="smollm2", messages=Q, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=60)
-    whole = client.chat.completions.create(**kw).choices[0]
-    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
-    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [c.choices[0].finish_reason for c in chunks][-1] == "tool_calls"
-    assert [(c.function.name, c.function.arguments) for c in calls] == \
-           [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+def mixed_batch(llm):
+    "(prompt, params, check) for constrained (schema, choice, regex, tool call) and plain requests, interleaved."
+    chat = lambda text: llm.tokenizer.encode_chat([{"role": "user", "content": text}])
+    tools = ToolCalls(llm.tokenizer, [WEATHER_TOOL], "required", parallel=False)
+    tool_prompt = tools.prompt_ids([{"role": "user", "content": "Weather in Oslo?"}])
+    def tool_ok(text):
+        _, calls = tools.parse(text)
+        return len(calls) == 1 and validates(calls[0]["function"]["arguments"], WEATHER_TOOL["function"]["parameters"])
+    sp = lambda so=None, seed=None, t=0.0: SamplingParams(temperature=t, seed=seed, max_tokens=40, structured_outputs=so)
+    return [
+        (PLAIN[0], sp(), None),
+        (chat(ASK[0]["content"]), sp(SO(json=PERSON), 1, 1.0), lambda t: validates(t, PERSON)),
+        (PLAIN[1], sp(seed=7, t=1.0), None),
+        (chat("Is the sky blue? yes or no"), sp(SO(choice=["yes", "no"]), 2, 1.0), lambda t: t in ("yes", "no")),
+        (PLAIN[2], sp(), None),
+        (chat("Name a month and a year."), sp(SO(regex=r"[A-Z][a-z]+ \d{4}")), lambda t: re.fullmatch(r"[A-Z][a-z]+ \d{4}", t)),
+        (tool_prompt, sp(tools.structured_outputs(), 3, 1.0), tool_ok),
+        (PLAIN[3], sp(seed=9, t=0.8), None),
+    ]
 
 
-def test_tool_result_turn_and_none(client):
-    first = client.chat.completions.create(model="smollm2", messages=Q, tools=[WEATHER], tool_choice="required",
-                                           temperature=0, max_tokens=60).choices[0].message
-    call = first.tool_calls[0]
-    turn2 = Q + [first.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 18}'}]
-    out = client.chat.completions.create(model="smollm2", messages=turn2, tools=[WEATHER], tool_choice="none",
-                                         temperature=0, max_tokens=20).choices[0]
-    assert out.finish_reason in ("stop", "length") and not out.message.tool_calls and out.message.content
+def run_mixed(llm) -> list[str]:
+    "What went wrong with a mixed batch: invalid constrained answers, refused tokens, plain answers that differ alone."
+    jobs = mixed_batch(llm)
+    constraints, before = llm.engine.scheduler.constraints, llm.engine.scheduler.constraints.rejected
+    outs = llm.generate([p for p, _, _ in jobs], [s for _, s, _ in jobs], use_tqdm=False)
+    errors = [f"invalid: {o.text!r}" for (_, _, ok), o in zip(jobs, outs) if ok and o.finish_reason == "stop"
+              and not ok(o.text)]
+    errors += [f"cut: {o.text!r}" for (_, _, ok), o in zip(jobs, outs) if ok and o.finish_reason != "stop"]
+    if constraints.rejected != before:
+        errors.append(f"the grammar rejected {constraints.rejected - before} sampled tokens")
+    for (p, s, ok), o in zip(jobs, outs):
+        if ok is None and llm.generate([p], [s], use_tqdm=False)[0].token_ids != o.token_ids:
+            errors.append(f"plain answer differs from the same request alone: {o.text!r}")
+    return errors
 
 
-def test_auto_parses_tool_call_tags():
-    from mini_infer.plugins.structured import ToolCalls
-    tools = ToolCalls(None, [WEATHER], "auto")
-    content, calls = tools.parse('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>')
-    assert content == "Let me check." and calls[0]["function"]["name"] == "get_weather"
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "celsius"}
-    assert tools.parse('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>')[1] == []  # not a known tool
-    assert tools.parse("It is sunny.") == ("It is sunny.", [])
-    assert ToolCalls(None, [WEATHER], "none").parse('<tool_call>{"name": "get_weather"}</tool_call>')[1] == []
+@pytest.fixture(scope="module")
+def spec_llm():
+    return LLM(kv_cache_memory_gb=0.25, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
 
 
-def test_tools_rendered_by_template_or_fallback(llm):
-    from mini_infer.plugins.structured import ToolCalls
-    from mini_infer.model.tokenizer import Tokenizer
-    msgs = Q + [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
-        "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-                {"role": "tool", "content": "18C"}]
-    fallback = llm.tokenizer.decode(ToolCalls(llm.tokenizer, [WEATHER]).prompt_ids(msgs), skip_special_tokens=False)
-    assert "<tools>" in fallback and '"name": "get_weather"' in fallback and "<tool_response>\n18C" in fallback
-    template = ("{% for t in tools or [] %}TOOL {{ t.function.name }}\n{% endfor %}{% for m in messages %}"
-                "{{ m.role }}: {{ m.content }}{% for c in m.tool_calls or [] %}CALL {{ c.function.arguments.city }}{% endfor %}\n{% endfor %}")
-    tok = Tokenizer(llm.tokenizer.tok, template, eos_token="<|im_end|>")
-    text = tok.decode(ToolCalls(tok, [WEATHER]).prompt_ids(msgs))
-    assert "TOOL get_weather" in text and "CALL Paris" in text and "<tools>" not in text  # arguments as a dict
-    assert "TOOL" not in tok.decode(ToolCalls(tok, [WEATHER], "none").prompt_ids(msgs))
+@pytest.mark.parametrize("speculative", [False, True])
+def test_mixed_batches(llm, spec_llm, speculative):
+    "Constrained answers valid, 0 tokens refused, each plain answer equal to the same request run alone."
+    engine = spec_llm if speculative else llm
+    assert run_mixed(engine) == []
+    if speculative:
+        assert engine.engine.stats()["spec_decode_num_draft_tokens_total"] > 0
 
 
-@pytest.mark.parametrize("kw, words", [
-    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, ["nope", "not in tools"]),
-    ({"tools": [{"type": "web_search"}]}, ["tools[0]"]),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strnig"}}}]}, ["not a valid JSON schema"]),
-    ({"tool_choice": "always"}, ["tool_choice must be"]),
-    ({"response_format": {"type": "json_object"}}, ["only one of"]),
-])
-def test_bad_tools_are_400s(client, kw, words):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="smollm2", messages=Q, max_tokens=5, **{"tools": [WEATHER], **kw})
-    assert all(w in e.value.body["message"] for w in words), e.value.body
+def _shifted_masks(self, rows):
+    "A planted bug (issue 42): unconstrained rows not counted, so the masks land on earlier rows."
+    todo, n = [], 0
+    for seq, guesses in rows:
+        m = self.matchers.get(seq.request_id)
+        if m is not None and not m.is_terminated():
+            todo.append((n, m, guesses))
+            n += 1 + len(guesses)
+    if not todo:
+        return None
+    bitmask = self.compiler.xgr.allocate_token_bitmask(sum(1 + len(g) for _, g in rows), self.vocab_size)
+    return GrammarMasks(bitmask, [r for row, m, g in todo for r in fill_masks(m, bitmask, row, g)])
 
 
-# ---- LangChain ----
+@pytest.mark.parametrize("speculative", [False, True])
+def test_mixed_batches_catch_shifted_masks(llm, spec_llm, speculative, monkeypatch):
+    "The check above can fail: with the masks shifted onto earlier rows, it reports the damage."
+    monkeypatch.setattr(GrammarConstraints, "logits_processor", _shifted_masks)
+    errors = run_mixed(spec_llm if speculative else llm)
+    assert any(e.startswith("plain answer differs") for e in errors), errors
+    assert any("rejected" in e or e.startswith(("invalid", "cut")) for e in errors), errors
 
-def test_langchain_with_structured_output_and_bind_tools(client):
-    langchain_openai = pytest.importorskip("langchain_openai")
 
-    class Person(BaseModel):
-        name: str = Field(max_length=20)
-        age: int = Field(ge=0, le=120)
-
-    chat = langchain_openai.ChatOpenAI(model="smollm2", base_url=str(client.base_url), api_key="none",
-                                       temperature=0, max_tokens=60, max_retries=0)
-    person = chat.with_structured_output(Person, method="json_schema").invoke(ASK[0]["content"])
-    assert isinstance(person, Person)
-    msg = chat.bind_tools([WEATHER], tool_choice="get_weather").invoke(Q[0]["content"])
-    assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
-    jsonschema.validate(msg.tool_calls[0]["args"], WEATHER["function"]["parameters"])
+def test_runaway_json_says_length_and_a_penalty_fixes_it(client):
+    "Greedy JSON that repeats inside a string until max_tokens: the answer says it was cut (issue 42)."
+    ask = [{"role": "user", "content": "List three fruits as JSON."}]
+    kw = dict(model="smollm2", messages=ask, response_format={"type": "json_object"}, temperature=0, max_tokens=300)
+    cut = client.chat.completions.create(**kw).choices[0]
+    assert cut.finish_reason == "length" and "pineberry-pineberry-" in cut.message.content
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut.message.content)
+    streamed = [c.choices[0].finish_reason for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    assert streamed[-1] == "length"
+    fixed = client.chat.completions.create(**kw, frequency_penalty=0.5).choices[0]
+    assert fixed.finish_reason == "stop" and isinstance(json.loads(fixed.message.content), dict)
+    resp = client.responses.create(model="smollm2", input=ask[0]["content"], temperature=0, max_output_tokens=300,
+                                   text={"format": {"type": "json_object"}})
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"

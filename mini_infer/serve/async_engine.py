@@ -53,28 +53,13 @@ class AsyncEngine:
         self.thread = threading.Thread(target=self._run, name="mini-infer-engine", daemon=True)
         self.thread.start()
 
-    def add(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        sink: Sink,
-        tag=0,
-        cache_salt: str | None = None,
-    ) -> tuple[str, asyncio.Future]:
+    def add(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, tag=0,
+            cache_salt: str | None = None, priority: int = 0) -> tuple[str, asyncio.Future]:
         """Submit a request (call from the event loop); returns its id and a future resolved when
         the engine accepted it."""
         rid, fut = uuid.uuid4().hex, sink.loop.create_future()
-        self._send((
-            "add",
-            rid,
-            prompt_ids,
-            params,
-            cache_salt,
-            sink,
-            tag,
-            fut,
-            time.perf_counter(),
-        ))
+        arrival = time.perf_counter()
+        self._send(("add", rid, prompt_ids, params, cache_salt, priority, sink, tag, fut, arrival))
         return rid, fut
 
     def abort(self, request_id: str):
@@ -136,11 +121,11 @@ class AsyncEngine:
             if self._routes.pop(cmd[1], None):
                 self.metrics.count_finished("abort")
             return
-        _, rid, prompt, params, cache_salt, sink, tag, fut, arrival = cmd
+        _, rid, prompt, params, cache_salt, priority, sink, tag, fut, arrival = cmd
         with self._cv:
             self._pending_adds -= 1
         try:
-            self.engine.add_request(prompt, params, request_id=rid, cache_salt=cache_salt)
+            self.engine.add_request(prompt, params, rid, priority, cache_salt)
             self._routes[rid] = _Route(sink, tag, arrival)
             sink.loop.call_soon_threadsafe(_resolve, fut, None)
         except Exception as e:
@@ -177,5 +162,5 @@ class AsyncEngine:
             self._inbox.clear()
         for cmd in cmds:
             if cmd[0] == "add":
-                cmd[5].loop.call_soon_threadsafe(_resolve, cmd[7], exc)
+                cmd[6].loop.call_soon_threadsafe(_resolve, cmd[8], exc)
         self._fail_all(exc)

@@ -6,7 +6,8 @@ __all__ = ['check_allowed', 'check_choice_prediction', 'check_whitespace']
 # %% ../../../nbs/10_structured_outputs.ipynb #fcea4000
 import torch
 from ..exercise import exercise_check, expect, close_enough
-from ...plugins.structured import TINY_DFA, TINY_ACCEPT, allowed_tokens, xgrammar_tokenizer
+from ..grammars import TINY_DFA, TINY_ACCEPT, allowed_tokens
+from ...plugins.grammars import xgrammar_tokenizer
 
 
 @exercise_check
