@@ -226,6 +226,7 @@ def cmd_serve(a):
         gpu_memory_utilization=a.gpu_memory_utilization,
         max_waiting=a.max_waiting,
         enable_prefix_caching=a.enable_prefix_caching,
+        tool_call_parser=a.tool_call_parser,
         **_serving_options(a),
     )
 
@@ -391,6 +392,12 @@ def _run_commands(sub):
         action=argparse.BooleanOptionalAction,
         default=True,
         help="share the KV blocks of common prompt prefixes between requests (default: on)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", "hermes", "llama3_json", "mistral"],
+        help="how the model writes tool calls (chapter 10; auto: from its chat template)",
     )
     p.set_defaults(fn=cmd_serve)
 

@@ -236,8 +236,9 @@ class Constraints(Protocol):
         "What an OpenAI request asks to be enforced (response_format, ...), or None (chapter 6)."
 
     @staticmethod
-    def tool_calls(tokenizer, req):
-        "What renders, enforces and parses a chat request's tool calls, or None (chapter 6)."
+    def tool_calls(tokenizer, req, parser: str = "auto"):
+        """What renders, enforces and parses a chat request's tool calls, written as `parser`
+        names (chapter 10's hermes, llama3_json, mistral; auto: from the chat template), or None."""
 
 # %% ../../nbs/00_contracts.ipynb #5401abb2
 @runtime_checkable

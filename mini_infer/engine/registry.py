@@ -4,6 +4,7 @@
 __all__ = ['KINDS', 'ENTRY_POINTS', 'register', 'load_entry_points', 'names', 'lookup']
 
 # %% ../../nbs/00_contracts.ipynb #44a43b34
+import warnings
 from importlib.metadata import entry_points
 from typing import Any
 from mini_infer.engine.contracts import (
@@ -48,7 +49,10 @@ def load_entry_points():
     _entry_points_loaded, _loading = True, True
     try:
         for ep in entry_points(group=ENTRY_POINTS):
-            ep.load()
+            try:
+                ep.load()
+            except ImportError as e:  # a plug-in whose own dependencies are missing: skip it
+                warnings.warn(f"mini-infer plug-in {ep.name!r} ({ep.value}) did not load: {e}")
     finally:
         _loading = False
 

@@ -156,7 +156,7 @@ class NoConstraints:
         "What an OpenAI request asks to be enforced: nothing here."
 
     @staticmethod
-    def tool_calls(tokenizer, req):
+    def tool_calls(tokenizer, req, parser: str = "auto"):
         "What renders, enforces and parses a chat request's tool calls: nothing here."
 
 

@@ -238,12 +238,7 @@ class OpenAIServer:
 
     def tool_calls(self, req):
         "The request's tools, checked, as chapter 10's `ToolCalls` (None without tools)."
-        constraints = request_constraints()
-        if self.tool_call_parser == "auto":
-            return constraints.tool_calls(self.tok, req)
-        if constraints is NoConstraints:
-            raise ValueError("tool call parsers come with chapter 10: pip install xgrammar")
-        return constraints.tool_calls(self.tok, req, parser=self.tool_call_parser)
+        return request_constraints().tool_calls(self.tok, req, parser=self.tool_call_parser)
 
     def structured(self, req, tools):
         "What the answers must follow: the response format, and with tools their calls."
