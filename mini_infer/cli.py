@@ -302,21 +302,11 @@ def _model_args(p):
 
 
 def _parallel_args(p):
-    p.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=1,
-        help="split the model over N processes (chapter 9): gloo on CPUs, NCCL over N GPUs",
-    )
-    p.add_argument(
-        "--data-parallel-size",
-        "-dp",
-        type=int,
-        default=1,
-        help="N engine replicas behind this server, each tensor-parallel with --tensor-parallel-size, "
-        "requests routed by prefix affinity (chapter 9)",
-    )
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N processes (chapter 9): gloo on CPUs, NCCL on GPUs")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="N engine replicas behind this server, each tensor-parallel with "
+                   "--tensor-parallel-size, requests routed by prefix affinity (chapter 9)")
 
 
 def _sampling_args(p):
@@ -328,12 +318,8 @@ def _sampling_args(p):
 
 
 def _memory_args(p):
-    p.add_argument(
-        "--kv-cache-memory",
-        type=float,
-        default=None,
-        help="KV pool size in GB (default: 1 GB on CPU, a fraction of free GPU memory on CUDA)",
-    )
+    p.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="KV pool size in GB (default: 1 GB on CPU, a share of free GPU memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
 
 
