@@ -5,6 +5,7 @@ __all__ = ['EngineConfig', 'StepTrace', 'DraftContext', 'LLMEngine']
 
 # %% ../../nbs/03_continuous_batching.ipynb #9098d8d6
 import time, uuid
+from collections import deque
 from dataclasses import dataclass, field, replace
 from fastcore.basics import patch
 
@@ -82,8 +83,6 @@ class EngineConfig(SchedulerConfig):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
         lookup("policy", self.policy, "policy")
-        if self.policy != "fcfs" and not self.enable_prefix_caching:
-            raise ValueError(f"the {self.policy!r} policy needs the prefix cache")
 
 
 @dataclass
@@ -134,6 +133,7 @@ class LLMEngine:
         self.kv = lookup("kv_manager", kv_manager)(num_blocks, cfg.block_size)
         proposer = self._proposer(num_blocks)  # NoProposer, or chapter 5's
         policy = lookup("policy", cfg.policy)
+        policy(deque(), self.kv)  # a policy may refuse this KV manager (ch. 4's wants its cache)
         self.scheduler = Scheduler(cfg, self.kv, proposer, policy, self._constraints())
         self.runner = ModelRunner(
             run_step, self.cache, model.config.vocab_size, model.device, proposer.sampler

@@ -274,6 +274,8 @@ def stats(self: PrefixCachingKVManager) -> dict:
 def longest_prefix_first(waiting: deque, kv: PrefixCachingKVManager) -> deque:
     """The waiting queue with requests being recomputed first, then by priority, then the longest
     cached prefix first: they compute the least to start."""
+    if not isinstance(kv, PrefixCachingKVManager):
+        raise ValueError("the 'longest_prefix' policy needs the prefix cache")
     if len(waiting) < 2:
         return waiting
     return deque(

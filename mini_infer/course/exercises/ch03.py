@@ -11,7 +11,6 @@ from ...engine.registry import lookup, names
 from ...engine.sampling import SamplingParams
 from ...engine.scheduler import Sequence, Scheduler, SchedulerConfig, KVManager, RunnerOutput, fcfs
 
-_NoText = TokenIds  # what chapter 4's checks still import; they move to course.teaching's TokenIds
 
 
 def _seq(name: str, n_prompt: int, n_out: int = 8) -> Sequence:
