@@ -161,7 +161,7 @@ typedef int32_t vi __attribute__((vector_size(4 * VL)));
 _VEXP_C = r"""
 /* e^x lane by lane, for a float vector type vf and an int32 one vi of as many lanes (Cephes' expf:
    2^n times a degree-6 polynomial on [-ln2/2, ln2/2]; ~1 ulp). Below -87, 0; above 88.37, e^88.37
-   (~2.6e38). Chapter 7's kernels use it too. */
+   (~2.4e38). Chapter 7's kernels use it too. */
 static inline vf vexp(vf x) {
     const vi over = x > 88.3762626647949f;
     x = (vf)(((vi)x & ~over) | ((vi)((vf){} + 88.3762626647949f) & over));
