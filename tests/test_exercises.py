@@ -894,6 +894,9 @@ def test_01_param_count():
     assert wrong.ok is False and "twice" in wrong.message
     wrong = check_param_count(135_000_000 * 1.1, cfg)
     assert wrong.ok is False and "off by" in wrong.message
+    named = check_param_count(135_000_000, cfg)                 # the model's name: a rounding, not the count
+    assert named.ok is False and "name" in named.message
+    assert check_param_count(134_515_008 - 61 * 576, cfg).ok is True   # the norm gains forgotten: within 0.1%
     assert check_param_count(None, cfg).ok is None
 
 

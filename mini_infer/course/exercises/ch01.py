@@ -67,7 +67,10 @@ def check_param_count(prediction, cfg):
     if cfg.tie_word_embeddings:
         expect(abs(prediction - actual - table) > 0.005 * actual, f"{prediction:,} counts the "
                "table [n_vocab, d] twice: a tied model holds one, for the embedding and LM head")
-    close_enough(prediction, actual, rel=0.005, what="your count")
+    expect(abs(prediction - actual) <= 0.001 * actual or f"{prediction:.3g}" != f"{actual:.3g}",
+           f"{prediction:,} is the count rounded, as in the model's name: work it out weight by "
+           "weight from the config")
+    close_enough(prediction, actual, rel=0.001, what="your count")
     return f"{actual:,} parameters, {table / actual:.0%} of them in the embedding table"
 
 # %% ../../../nbs/01_model.ipynb #e1a40001
