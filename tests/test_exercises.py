@@ -1052,28 +1052,89 @@ def test_01c_recompute_tokens():
 
 # ---- chapter 06 ----
 
-from mini_infer.course.exercises.ch06 import check_last_event, check_sse_events, check_kv_usage_metric, check_max_num_seqs
+from mini_infer.course.exercises.ch06 import check_sse_events, check_chat_stream, check_kv_usage_metric, check_max_num_seqs
 
 
 def _stub(*args):
     raise NotImplementedError
 
 
-def test_06_last_event():
-    ns = solution("06_server.ipynb", "Exercise 6.1")
-    assert check_last_event(ns["last_event"]).ok is True
-    no_total = lambda r, p, c: {"choices": [{"index": 0, "text": "", "finish_reason": r}],
-                                "usage": {"prompt_tokens": p, "completion_tokens": c}}
-    wrong = check_last_event(no_total)
-    assert wrong.ok is False and "total_tokens" in wrong.message
-    swapped = lambda r, p, c: {"choices": [{"index": 0, "text": "", "finish_reason": r}],
-                               "usage": {"prompt_tokens": c, "completion_tokens": p, "total_tokens": p + c}}
-    assert check_last_event(swapped).ok is False
-    assert check_last_event(_stub).ok is None
+def _chat_stream(role=True, deltas="step", finish=True, usage_at="end", done=True):
+    """chat_stream written with the pieces a learner may get wrong: the role chunk, the deltas (each step's, or
+    the text so far), the finish chunk, where the usage goes, [DONE]."""
+    from mini_infer.serve.openai_api import sse
+
+    async def chat_stream(s):
+        chunk = lambda choice, **more: sse({**s.head, "choices": [choice], **more})
+        if role:
+            yield sse({**s.head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}
+                                             for i in range(s.n)]})
+        text, usage = {}, None
+        async for step in s.steps:
+            more = {"usage": step.usage} if usage_at == "every chunk" else {}
+            for d in step.deltas:
+                text[step.index] = text.get(step.index, "") + d.get("content", "")
+                delta = {"content": text[step.index]} if deltas == "so far" else d
+                yield chunk({"index": step.index, "delta": delta, "finish_reason": None}, **more)
+            if finish and step.finish_reason is not None:
+                yield chunk({"index": step.index, "delta": {}, "finish_reason": step.finish_reason}, **more)
+            usage = step.usage
+        if s.include_usage:
+            yield sse({**s.head, "choices": [], "usage": usage})
+        if done:
+            yield sse("[DONE]")
+    return chat_stream
+
+
+def test_06_chat_stream_solution_and_stub():
+    from mini_infer.serve.openai_api import sse
+    ns = solution("06_server.ipynb", "Exercise 6.2", sse=sse)
+    assert check_chat_stream(ns["chat_stream"]).ok is True
+    assert check_chat_stream(_stub).ok is None
+
+
+def test_06_chat_stream_variant():
+    "Written differently: a role chunk per choice, the finish on the step's last delta, 'usage': null until the end."
+    import json
+
+    def line(obj):
+        return "data: " + json.dumps(obj) + "\n\n"
+
+    async def chat_stream(s):
+        null = {"usage": None} if s.include_usage else {}
+        for i in range(s.n):
+            yield line({**s.head, **null, "choices": [{"index": i, "delta": {"role": "assistant"}, "finish_reason": None}]})
+        last = None
+        async for step in s.steps:
+            last = step.usage
+            choices = [{"index": step.index, "delta": d, "finish_reason": None} for d in step.deltas]
+            if step.finish_reason and choices:
+                choices[-1]["finish_reason"] = step.finish_reason
+            elif step.finish_reason:
+                choices = [{"index": step.index, "delta": {}, "finish_reason": step.finish_reason}]
+            for c in choices:
+                yield line({**s.head, **null, "choices": [c]})
+        if s.include_usage:
+            yield line({**s.head, "choices": [], "usage": last})
+        yield "data: [DONE]\n\n"
+    assert check_chat_stream(chat_stream).ok is True
+    assert check_chat_stream(_chat_stream()).ok is True   # the pieces of the wrong ones below, put right
+
+
+@pytest.mark.parametrize("mistake, says", [
+    (dict(role=False), "role"),
+    (dict(deltas="so far"), "not the text so far"),
+    (dict(finish=False), "no finish_reason"),
+    (dict(usage_at="every chunk"), "carries a usage"),
+    (dict(done=False), "[DONE]"),
+], ids=["no role chunk", "text so far", "no finish chunk", "usage on every chunk", "no [DONE]"])
+def test_06_chat_stream_wrong(mistake, says):
+    wrong = check_chat_stream(_chat_stream(**mistake))
+    assert wrong.ok is False and says in wrong.message, wrong.message
 
 
 def test_06_sse_events():
-    ns = solution("06_server.ipynb", "Exercise 6.2")
+    ns = solution("06_server.ipynb", "Exercise 6.1")
     assert check_sse_events(ns["prediction"], 5).ok is True
     only_tokens = check_sse_events(5, 5)
     assert only_tokens.ok is False and "role" in only_tokens.message

@@ -30,7 +30,7 @@ from mini_infer.serve.openai_api import (
     request_constraints,
 )
 from .async_engine import AsyncEngine, EngineDead, log
-from .generation import Extras, Generation
+from .generation import Extras, Generation, chat_stream
 from mini_infer.serve.responses import (
     ResponsesRequest, ResponseWriter, chat_body, stream_response, whole_response,
 )
@@ -186,15 +186,16 @@ _PROBE = SimpleNamespace(tools=[{"type": "function", "function": {"name": "probe
 
 class OpenAIServer:
     """What the routes share: the engine thread, the tokenizer, the context length, the model's
-    name, the limits and how tool calls are read (`tool_call_parser`, chapter 10)."""
+    name, the limits, how tool calls are read (`tool_call_parser`, chapter 10) and what writes a
+    streamed chat completion (`chat_stream`)."""
 
     def __init__(self, llm: LLM, model_name: str | None, api_key: str | None, max_waiting: int,
-                 max_body_bytes: int, tool_call_parser: str = "auto"):
+                 max_body_bytes: int, tool_call_parser: str = "auto", chat_stream=chat_stream):
         self.engine, self.tok = AsyncEngine(llm.engine), llm.tokenizer
         self.ctx, self.created = llm.engine.max_model_len, int(time.time())
         self.model_name, self.api_key = model_name or llm.model_name, api_key
         self.max_waiting, self.max_body_bytes = max_waiting, max_body_bytes
-        self.tool_call_parser = tool_call_parser
+        self.tool_call_parser, self.chat_stream = tool_call_parser, chat_stream
         # a parser name that names none fails now, not per request; and what checks tools is
         # imported now (seconds, on a busy machine), not by the first request with tools
         self.tool_calls(_PROBE)
@@ -290,7 +291,8 @@ class OpenAIServer:
         if not req.stream:
             return await gen.collect(request)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(gen.stream(include_usage), media_type="text/event-stream",
+        write = self.chat_stream if kind == "chat" else None
+        return StreamingResponse(gen.stream(include_usage, write), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
     def chat_prompt(self, req, messages: list[dict], tools) -> list[int]:
@@ -414,10 +416,13 @@ def build_app(
     max_waiting: int = 1024,
     max_body_bytes: int = 2 * 2**20,
     tool_call_parser: str = "auto",
+    chat_stream=chat_stream,
 ) -> FastAPI:
     """An OpenAI-compatible FastAPI app serving `llm` (its engine is driven by an `AsyncEngine`
-    thread); `tool_call_parser` names how the model writes tool calls (chapter 10)."""
-    server = OpenAIServer(llm, model_name, api_key, max_waiting, max_body_bytes, tool_call_parser)
+    thread); `tool_call_parser` names how the model writes tool calls (chapter 10);
+    `chat_stream(s)` writes a streamed chat completion's SSE lines (exercise 6.2 swaps in yours)."""
+    server = OpenAIServer(llm, model_name, api_key, max_waiting, max_body_bytes, tool_call_parser,
+                          chat_stream)
 
     async def lifespan(app):
         yield
