@@ -1340,18 +1340,77 @@ def smollm2_tokenizer():
     return Tokenizer.from_gguf(str(resolve_model()))
 
 
-def test_ch10_allowed_tokens():
-    from mini_infer.course.exercises.ch10 import check_allowed
-    ns = solution("10_structured_outputs.ipynb", "Exercise 10.1")
-    assert check_allowed(ns["allowed"]).ok is True
-    from mini_infer.course.grammars import walk
-    # a plausible mistake: allowing a token if its FIRST character has an edge
-    first_only = lambda dfa, acc, s, vocab: [t for t in vocab if (s in acc if t == "<eos>" else walk(dfa, s, t[0]) is not None)]
-    wrong = check_allowed(first_only)
-    assert wrong.ok is False and "ALL its characters" in wrong.message
-    def stub(dfa, accept, state, vocab):
+def _bits(logits, bitmask):
+    "Shift-and-and over arange(32): the allowed tokens [rows, V] (a helper for the wrong answers below)."
+    import torch
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten(1)[:, : logits.shape[-1]].bool()
+
+
+def test_ch10_apply_bitmask_wrong():
+    "Plausible mistakes, each named in the learner's terms before the engine runs; the stub is not attempted."
+    import torch
+    from mini_infer.course.exercises.ch10 import check_apply_bitmask
+    ninf = float("-inf")
+
+    def reversed_bits(logits, bitmask):   # bit 31 - j read for token 32 i + j
+        bits = (bitmask.unsqueeze(-1) >> (31 - torch.arange(32, dtype=torch.int32))) & 1
+        logits.masked_fill_(~bits.flatten(1)[:, : logits.shape[-1]].bool(), ninf)
+    wrong = check_apply_bitmask(reversed_bits)
+    assert wrong.ok is False and "bit 31 - j" in wrong.message
+    wrong = check_apply_bitmask(lambda logits, bm: logits.masked_fill_(~_bits(logits, bm), 0.0))
+    assert wrong.ok is False and "-inf, not 0" in wrong.message
+    wrong = check_apply_bitmask(lambda logits, bm: logits.masked_fill_(_bits(logits, bm), ninf))
+    assert wrong.ok is False and "a set bit (1) allows" in wrong.message
+
+    def sign_bit(logits, bitmask):        # `& (1 << j) > 0`: bit 31 is the sign, so never > 0
+        bits = (bitmask.unsqueeze(-1) & (1 << torch.arange(32, dtype=torch.int32))) > 0
+        logits.masked_fill_(~bits.flatten(1)[:, : logits.shape[-1]], ninf)
+    wrong = check_apply_bitmask(sign_bit)
+    assert wrong.ok is False and "sign bit" in wrong.message
+
+    def whole_words_only(logits, bitmask):   # V // 32 words: the last, partly used word ignored
+        V = logits.shape[-1]
+        bits = (bitmask[:, : V // 32].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        logits[:, : 32 * (V // 32)].masked_fill_(~bits.flatten(1).bool(), ninf)
+    wrong = check_apply_bitmask(whole_words_only)
+    assert wrong.ok is False and "not a multiple of 32" in wrong.message and "64..76" in wrong.message
+
+    def padding_kept(logits, bitmask):       # every bit unpacked, the padding too
+        bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        logits.masked_fill_(~bits.flatten(1).bool(), ninf)
+    wrong = check_apply_bitmask(padding_kept)
+    assert wrong.ok is False and "padding" in wrong.message and "raised" in wrong.message
+    wrong = check_apply_bitmask(lambda logits, bm: logits.masked_fill(~_bits(logits, bm), ninf))
+    assert wrong.ok is False and "write into it" in wrong.message
+    wrong = check_apply_bitmask(lambda logits, bm: logits.masked_fill_(~_bits(logits, bm), -1e9))
+    assert wrong.ok is False and "not -inf" in wrong.message and "token" in wrong.message
+
+    def stub(logits, bitmask):
         raise NotImplementedError
-    assert check_allowed(stub).ok is None
+    assert check_apply_bitmask(stub).ok is None
+
+
+def test_ch10_apply_bitmask_in_the_engine():
+    "The solution and a variant run the engine's masks (JSON, choice, regex, plain) to its own tokens."
+    import torch
+    from mini_infer.course.exercises.ch10 import check_apply_bitmask
+    ns = solution("10_structured_outputs.ipynb", "Exercise 10.1", torch=torch)
+    right = check_apply_bitmask(ns["apply_token_bitmask"])
+    assert right.ok is True and "the same" in right.message
+
+    def by_index(logits, bitmask):   # a variant: each token's word repeated, then bitwise_and with 1 << (t % 32)
+        V = logits.shape[-1]
+        words = bitmask.long().repeat_interleave(32, dim=-1)[:, :V]
+        bit = torch.arange(V, device=logits.device) % 32
+        logits[torch.bitwise_and(words, 1 << bit) == 0] = float("-inf")
+    assert check_apply_bitmask(by_index).ok is True
+
+    def small_vocab_only(logits, bitmask):   # right on the probes, skips the real vocabulary
+        if logits.shape[-1] < 1000:
+            ns["apply_token_bitmask"](logits, bitmask)
+    wrong = check_apply_bitmask(small_vocab_only)
+    assert wrong.ok is False and "not valid JSON" in wrong.message and "first diverging token at step" in wrong.message
 
 
 def test_ch10_choice_prediction(smollm2_tokenizer):
