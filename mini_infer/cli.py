@@ -357,6 +357,11 @@ def _run_commands(sub):
     p.add_argument("--quick", action="store_true",
                    help="the chapters' smaller workloads (IN_TEST=1), as CI runs them")
     p.set_defaults(fn=cmd_grade)
+    _serve_command(sub)
+
+
+def _serve_command(sub):
+    "serve: the OpenAI-compatible server and its knobs."
     p = sub.add_parser("serve", help="OpenAI-compatible server")
     _model_args(p)
     _parallel_args(p)

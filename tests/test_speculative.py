@@ -318,7 +318,7 @@ def test_abort_frees_draft_blocks(llm, workload):
 
 
 @pytest.mark.parametrize("cfg, msg", [
-    (dict(method="medusa"), "unknown proposer 'medusa'; choose from"),   # the engine looks the method up by name
+    (dict(method="medusa"), "unknown speculative method 'medusa'; choose from"),   # the engine looks the method up by name
     (dict(method="ngram", num_speculative_tokens=0), "1..16"),
     (dict(method="ngram", num_speculative_tokens=17), "1..16"),
     (dict(method="ngram", prompt_lookup_min=3, prompt_lookup_max=2), "prompt_lookup_min"),

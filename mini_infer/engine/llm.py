@@ -4,7 +4,7 @@
 __all__ = ['run_to_completion', 'as_conversations', 'LLM']
 
 # %% ../../nbs/03_continuous_batching.ipynb #66cc74b4
-from tqdm.auto import tqdm
+from tqdm import tqdm  # tqdm.auto warns in a kernel without ipywidgets
 from .sampling import SamplingParams
 from ..model.loader import load_model
 from .outputs import RequestOutput, as_prompt_list, as_params_list

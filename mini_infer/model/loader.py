@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 import gguf
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm  # bars off where stderr is no terminal (disable=None), as in a notebook
 from safetensors import safe_open
 from .model import ModelConfig, CausalLM, RotaryEmbedding, SUPPORTED_ARCHITECTURES
 from .tokenizer import Tokenizer, gguf_field, build_bpe_tokenizer
@@ -141,7 +141,7 @@ def load_safetensors(
         model = CausalLM(cfg, max_positions, shard).to(dtype)
     model.to_empty(device=device)  # memory for the weights, once, in their final dtype
     total = sum(len(h.keys()) for h in handles)
-    with tqdm(total=total, desc=f"loading {model_dir.name}", unit="tensor", leave=False) as bar:
+    with tqdm(total=total, desc=f"loading {model_dir.name}", unit="tensor", leave=False, disable=None) as bar:
         try:
             loaded = model.load_weights(shard_tensors(files, handles, bar, shard))
         except (KeyError, ValueError) as e:
@@ -293,7 +293,7 @@ def convert_gguf(path, out_dir) -> Path:
         shapes = {hf_name(t.name): tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
         weights = (
             (hf_name(t.name), dequantize(t, cfg))
-            for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", leave=False)
+            for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", leave=False, disable=None)
         )
         write_safetensors(tmp / "model.safetensors", shapes, weights, {"source": str(path)})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
