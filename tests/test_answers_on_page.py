@@ -264,7 +264,7 @@ PREDICT = [
     Predict("04_prefix_cache.ipynb", "Exercise 4.4", lambda ns: [Answer(ns["prediction"], units=("tokens",))]),
     Predict("05_speculative.ipynb", "Exercise 5.1", lambda ns: [rel(ns["prediction"], 0.01, units=("tokens",))]),
     Predict("05_speculative.ipynb", "Exercise 5.2", lambda ns: [rel(ns["answer"][1], 0.05, units=("x", "×"))], _names_5_2),
-    Predict("06_server.ipynb", "Exercise 6.2",
+    Predict("06_server.ipynb", "Exercise 6.1",
             lambda ns: [Answer(ns["prediction"], units=("events", "lines", "data: lines", "`data:` lines", "chunks"))]),
     Predict("06_server.ipynb", "Exercise 6.4",   # 256, bare, is a size met everywhere (a sequential run's 256 steps)
             lambda ns: [Answer(ns["answer"]["steps"], units=("steps", "engine steps"), bare=False)],
