@@ -169,6 +169,34 @@ def test_logprobs(client):
     assert plain.choices[0].logprobs is None
 
 
+JAPANESE = "日本語"  # SmolLM2 splits two of its three characters across tokens
+
+
+def test_logprob_bytes_rebuild_split_characters(llm):
+    "Chat logprobs' `bytes` are each token's raw bytes: joined, they are the text's UTF-8, split characters included."
+    from types import SimpleNamespace
+    from mini_infer.serve.openai_api import chat_logprobs
+    ids = llm.tokenizer.encode(JAPANESE + " and café <|im_end|>")
+    assert any(llm.tokenizer.decode([i]) == "\ufffd" for i in ids)   # a token alone is half a character
+    lps = [SimpleNamespace(token_id=i, logprob=-0.5, top={i: -0.5}) for i in ids]
+    content = chat_logprobs(llm.tokenizer, lps)["content"]
+    assert b"".join(bytes(e["bytes"]) for e in content).decode() == JAPANESE + " and café <|im_end|>"
+    assert all(e["bytes"] == e["top_logprobs"][0]["bytes"] for e in content)
+
+
+def test_logprob_bytes_over_the_wire(client):
+    "The same through the server: an answer held to one choice (chapter 10's grammars), its tokens' bytes joined."
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Japanese, in Japanese?"}],
+                                       max_tokens=12, temperature=0, logprobs=True,
+                                       extra_body={"structured_outputs": {"choice": [JAPANESE]}})
+    content = r.choices[0].logprobs.content
+    if content[-1].token in ("<|im_end|>", "<|endoftext|>"):   # the stop token: in the logprobs, not the text
+        content = content[:-1]
+    assert r.choices[0].message.content == JAPANESE and len(content) > len(JAPANESE)
+    assert "\ufffd" in [t.token for t in content]   # some token alone is part of a character
+    assert b"".join(bytes(t.bytes) for t in content) == JAPANESE.encode()
+
+
 def test_concurrent_greedy_clients_match_offline(server, ref):
     prompts, outs = CONCURRENT, [ref[f"q{i}"] for i in range(32)]
     ref = [o.text for o in outs]

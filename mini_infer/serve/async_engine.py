@@ -41,12 +41,8 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, metrics: Metrics | None = None):
         self.engine, self.metrics = engine, metrics or Metrics()
-        self._cv, self._inbox, self._routes, self._stop = (
-            threading.Condition(),
-            collections.deque(),
-            {},
-            False,
-        )
+        self._cv, self._inbox = threading.Condition(), collections.deque()  # commands, locked
+        self._routes, self._stop = {}, False  # request id -> _Route: where its outputs go
         self._pending_adds = 0
         self.dead: EngineDead | None = None  # what stopped the engine for good, if anything
         self.stats = engine.stats()

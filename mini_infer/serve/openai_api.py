@@ -4,12 +4,14 @@
 __all__ = ['log', 'REFUSED', 'IGNORED', 'APIError', 'StreamOptions', 'ContentPart', 'ChatMessage', 'ChatCompletionRequest', 'CompletionRequest', 'parse_request', 'request_constraints', 'sampling_params', 'chat_logprobs', 'completion_logprobs', 'usage', 'sse']
 
 # %% ../../nbs/06_server.ipynb #35a96bc6
-import json, logging, math
+import functools, json, logging, math
 from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from tokenizers import decoders
 from ..engine.sampling import SamplingParams, InvalidRequest
 from ..engine.registry import lookup, names
 from ..engine.scheduler import NoConstraints
+from ..model.tokenizer import _byte_alphabet
 
 log = logging.getLogger("mini_infer.serve.server")
 
@@ -249,12 +251,28 @@ def _token_str(tok, i: int, as_id: bool = False) -> str:
     return f"token_id:{i}" if as_id else tok.decode([i], skip_special_tokens=False)
 
 
+@functools.cache
+def _byte_of() -> dict[str, int]:
+    "GPT-2's byte-level alphabet backwards (chapter 1b): each character -> the byte it spells."
+    return {c: b for b, c in _byte_alphabet().items()}
+
+
+def _token_bytes(tok, i: int) -> list[int]:
+    """Token `i`'s raw bytes, so that the bytes of a text's tokens join into its UTF-8, also where
+    a token holds part of a character (its text alone is U+FFFD). A byte-level BPE token is
+    spelled one character per byte; any other token (an added one): the UTF-8 of its text."""
+    t, spell = tok.tok.id_to_token(i), _byte_of()
+    if t and isinstance(tok.tok.decoder, decoders.ByteLevel) and set(t) <= spell.keys():
+        return [spell[c] for c in t]
+    return list(tok.decode([i], skip_special_tokens=False).encode())
+
+
 def chat_logprobs(tok, lps, as_ids: bool = False) -> dict:
     "OpenAI chat `logprobs`: {'content': [{token, logprob, bytes, top_logprobs}]}."
 
     def entry(i, lp):
-        s = _token_str(tok, i, as_ids)
-        return {"token": s, "logprob": _lp(lp), "bytes": list(s.encode())}
+        return {"token": _token_str(tok, i, as_ids), "logprob": _lp(lp),
+                "bytes": _token_bytes(tok, i)}
 
     return {
         "content": [
