@@ -144,6 +144,22 @@ def test_each_family_writes_what_it_reads(name):
         [("get_weather", {"city": "Oslo", "unit": "celsius"})]
 
 
+def test_finish_reason_of_calls():
+    """'tool_calls' when the model chose to call ('auto', 'required'); a function named by tool_choice finishes with
+    'stop', as OpenAI's API and vLLM answer; an answer cut at max_tokens stays 'length'."""
+    from mini_infer.serve.generation import final_reason
+    text = get_tool_parser("hermes")(FUNCTIONS).write("get_weather", '{"city": "Oslo", "unit": "celsius"}')
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, want in [("auto", "tool_calls"), ("required", "tool_calls"), (named, "stop")]:
+        stream = ToolCalls(None, [WEATHER], choice).stream()
+        stream.feed(text, final=True)
+        assert stream.called and final_reason("stop", stream.finishes_with_calls) == want, choice
+        assert final_reason("length", stream.finishes_with_calls) == "length"
+    answer = ToolCalls(None, [WEATHER], "auto").stream()
+    answer.feed("It is sunny.", final=True)
+    assert final_reason("stop", answer.finishes_with_calls) == "stop"
+
+
 # ---- the server ----
 
 
@@ -199,7 +215,8 @@ def test_streamed_calls_equal_whole(client, choice):
     whole = client.chat.completions.create(**kw).choices[0]
     chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
     merged = merge_deltas([c.choices[0].delta.model_dump(exclude_none=True) for c in chunks[1:]])
-    assert chunks[-1].choices[0].finish_reason == whole.finish_reason == "tool_calls"
+    named = isinstance(choice, dict)  # a function named by tool_choice finishes with "stop", as OpenAI's does
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason == ("stop" if named else "tool_calls")
     assert merged["content"] == whole.message.content
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in merged["tool_calls"]] == \
         [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
@@ -265,7 +282,7 @@ def test_required_and_named_calls_validate(client, choice):
     for seed in range(3):
         out = client.chat.completions.create(model="smollm2", messages=Q, tools=[WEATHER, TIME], tool_choice=choice,
                                              temperature=1.0, seed=seed, max_tokens=60, parallel_tool_calls=False)
-        assert out.choices[0].finish_reason == "tool_calls"
+        assert out.choices[0].finish_reason == ("stop" if isinstance(choice, dict) else "tool_calls")
         (call,) = out.choices[0].message.tool_calls
         fn = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]
         if isinstance(choice, dict):

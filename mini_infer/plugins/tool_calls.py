@@ -7,7 +7,7 @@ __all__ = ['TOOLS_SYSTEM_PROMPT', 'check_tools', 'check_tool_choice', 'ToolCalls
 import json, uuid
 from dataclasses import replace
 from ..engine.sampling import InvalidRequest
-from .grammars import StructuredOutputsParams, json_grammar, spec_format
+from .grammars import StructuredOutputsParams, json_grammar, spec_format, xgrammar_error
 from .tool_parsers import ToolParser, get_tool_parser
 
 # %% ../../nbs/10_structured_outputs.ipynb #c04371ea
@@ -115,7 +115,7 @@ class ToolCalls:
         try:
             call = json_grammar(json.dumps({"anyOf": [one(n) for n in self.allowed]}))
         except RuntimeError as e:  # xgrammar cannot compile a parameters schema
-            raise InvalidRequest(f"invalid tools: {e}", param="tools") from None
+            raise InvalidRequest(f"invalid tools: {xgrammar_error(e)}", param="tools") from None
         fmt = self.parser.calls_format(call, self.parallel)
         if self.choice == "auto":
             fmt = {"type": "or", "elements": [fmt, spec_format(answer)]}
@@ -136,7 +136,9 @@ class ToolCalls:
 
     def stream(self) -> "ToolCallStream | None":
         "What turns one answer's text into chat deltas, calls read out (None: tools are off)."
-        return ToolCallStream(self.parser, None if self.parallel else 1) if self.active else None
+        if not self.active:
+            return None
+        return ToolCallStream(self.parser, None if self.parallel else 1, self.choice == "named")
 
 # %% ../../nbs/10_structured_outputs.ipynb #edd27391
 def _as_dict(arguments: str | None):
@@ -188,8 +190,8 @@ class ToolCallStream:
     they are written. The parser rereads the whole answer at each step and only what is new
     goes out, so the deltas of a streamed answer add up to the answer read whole."""
 
-    def __init__(self, parser: ToolParser, max_calls: int | None = None):
-        self.parser, self.max_calls = parser, max_calls
+    def __init__(self, parser: ToolParser, max_calls: int | None = None, named: bool = False):
+        self.parser, self.max_calls, self.named = parser, max_calls, named
         self.text, self.content, self.ids, self.args = "", "", [], []
 
     def feed(self, text: str, final: bool = False) -> list[dict]:
@@ -216,3 +218,9 @@ class ToolCallStream:
     @property
     def called(self) -> bool:
         return bool(self.ids)
+
+    @property
+    def finishes_with_calls(self) -> bool:
+        """Is the answer's finish_reason 'tool_calls'? When it called functions the model chose
+        ('auto', 'required'); a function named by `tool_choice` finishes with 'stop' (OpenAI, vLLM)."""
+        return self.called and not self.named

@@ -227,7 +227,7 @@ class Generation:
 
     def finish_reason(self, i: int, reason: str | None) -> str | None:
         answer = self.answers[i]
-        return final_reason(reason, answer is not None and answer.called)
+        return final_reason(reason, answer is not None and answer.finishes_with_calls)
 
     async def steps(self):
         """Each choice's outputs, as they come, as `StreamStep`s: its deltas (a step with no text
