@@ -5,6 +5,7 @@ __all__ = ['log', 'Sink', 'AsyncEngine']
 
 # %% ../../nbs/06_server.ipynb #1bfd230d
 import asyncio, collections, logging, threading, time, uuid
+from fastcore.basics import patch
 from ..engine.sampling import SamplingParams
 from ..engine.engine import LLMEngine
 from ..engine.contracts import EngineDead
@@ -144,19 +145,24 @@ class AsyncEngine:
             self.metrics.count_finished(o.finish_reason or "stop")
         r.sink.put(r.tag, o)
 
-    def _fail_all(self, exc):
-        err = exc if isinstance(exc, EngineDead) else RuntimeError(f"engine failure: {exc}")
-        for rid, r in list(self._routes.items()):
-            self.engine.abort(rid)
-            r.sink.put(r.tag, err)
-        self._routes.clear()
 
-    def _die(self, exc: EngineDead):
-        "Refuse new requests, fail the ones in flight and those not yet added."
-        with self._cv:
-            self.dead, cmds = exc, list(self._inbox)
-            self._inbox.clear()
-        for cmd in cmds:
-            if cmd[0] == "add":
-                cmd[6].loop.call_soon_threadsafe(_resolve, cmd[8], exc)
-        self._fail_all(exc)
+# %% ../../nbs/06_server.ipynb #1bfd230f
+@patch
+def _fail_all(self: AsyncEngine, exc):
+    err = exc if isinstance(exc, EngineDead) else RuntimeError(f"engine failure: {exc}")
+    for rid, r in list(self._routes.items()):
+        self.engine.abort(rid)
+        r.sink.put(r.tag, err)
+    self._routes.clear()
+
+
+@patch
+def _die(self: AsyncEngine, exc: EngineDead):
+    "Refuse new requests, fail the ones in flight and those not yet added."
+    with self._cv:
+        self.dead, cmds = exc, list(self._inbox)
+        self._inbox.clear()
+    for cmd in cmds:
+        if cmd[0] == "add":
+            cmd[6].loop.call_soon_threadsafe(_resolve, cmd[8], exc)
+    self._fail_all(exc)

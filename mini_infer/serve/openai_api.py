@@ -202,15 +202,8 @@ def parse_request(cls: type[BaseModel], body: bytes) -> BaseModel:
     return req
 
 # %% ../../nbs/06_server.ipynb #dd3375a7
-_SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty")
 
 
 def request_constraints():
