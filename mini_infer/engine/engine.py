@@ -49,9 +49,9 @@ class EngineConfig(SchedulerConfig):
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "int8" (chapter 8)
     # "auto": grammars (chapter 10) where installed, for the requests that ask; None: none
     structured_outputs: str | None = "auto"
-    # products of long (prompt) steps on CPUs: "float32"; "bfloat16" (chapter 7's bf16 dot
-    # products where the CPU has them); "auto": bfloat16 where the CPU has AMX
-    prefill_dtype: str = "float32"
+    # products of prompt tokens on CPUs (chapter 7): "auto", bf16 where the CPU's bf16 dot
+    # products pay; "bfloat16" wherever it has them; "float32": every token in float32, exact
+    prefill_dtype: str = "auto"
     speculative_config: dict | None = (
         None  # e.g. {"method": "ngram", "num_speculative_tokens": 4} (chapter 5)
     )

@@ -15,13 +15,17 @@ class RequestState:
     generator, token history."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, vocab_size: int, device):
-        self.params = params
+        self.params, self.prompt_len = params, len(prompt_ids)
         self.generator = (
             None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
         )
         self.history = (
             TokenHistory(prompt_ids, vocab_size, device) if params.has_penalties else None
         )
+
+    def prompt_count(self, r: ScheduledRequest) -> int:
+        "How many of the step's tokens of `r` lie in the prompt (a recomputed request's may not)."
+        return min(max(self.prompt_len - r.start, 0), len(r.token_ids))
 
     def add(self, token_ids: list[int]):
         if self.history is not None:
@@ -75,16 +79,11 @@ class ModelRunner:
         self.batches = SamplingBatches(self.requests, device)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        for rid in out.finished_ids:
-            self.requests.pop(rid, None)
-        for r in out.new_requests:
-            self.requests[r.request_id] = RequestState(
-                r.prompt_ids, r.params, self.vocab_size, self.device
-            )
-        rows = [(r.token_ids, r.start, r.block_ids, r.num_logits) for r in out.scheduled]
-        if not rows:
+        self.admit(out)
+        if not out.scheduled:
             return RunnerOutput([], [], [])
-        step = self.cache.make_step(rows)
+        step = self.cache.make_step(self.rows(out))
+        step.prompt_counts = self.prompt_counts(out)
         logits = self.model(step, self.cache)
         wanted = [r for r in out.scheduled if r.num_logits]
         if not wanted:
@@ -95,3 +94,22 @@ class ModelRunner:
         for r, new in zip(wanted, tokens):
             self.requests[r.request_id].add(new)
         return RunnerOutput([r.request_id for r in wanted], tokens, logprobs)
+
+    def admit(self, out: SchedulerOutput):
+        "Forget the requests that ended, meet the new ones (once)."
+        for rid in out.finished_ids:
+            self.requests.pop(rid, None)
+        for r in out.new_requests:
+            if r.request_id not in self.requests:
+                self.requests[r.request_id] = RequestState(
+                    r.prompt_ids, r.params, self.vocab_size, self.device
+                )
+
+    @staticmethod
+    def rows(out: SchedulerOutput) -> list[tuple]:
+        "The step's rows as `make_step` takes them: tokens, first position, blocks, logits wanted."
+        return [(r.token_ids, r.start, r.block_ids, r.num_logits) for r in out.scheduled]
+
+    def prompt_counts(self, out: SchedulerOutput) -> list[int]:
+        "How many of each row's tokens lie in its prompt (chapter 7 gives them their own products)."
+        return [self.requests[r.request_id].prompt_count(r) for r in out.scheduled]

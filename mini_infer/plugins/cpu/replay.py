@@ -13,6 +13,7 @@ from ...engine.kv_cache import PagedKVCache
 from .build import KernelLibrary, load_library, recording
 from ...model.layers import LinearBase
 from .linear import kernel_applies
+from .prompt import PROMPT_ROWS
 from .attention import KernelPlan, SHORT_ROW
 
 _PTR, _SIZE = ctypes.c_void_p, ctypes.c_int64
@@ -275,11 +276,11 @@ def is_stale(g: StepGraph | None, linears: list) -> bool:
 
 def replay_size(x, step, cache) -> int | None:
     """The recorded size a step over `x` runs at, or None where it runs in Python: prompt chunks,
-    more than `GRAPH_MAX_TOKENS` tokens, tensors the kernels do not take, padding without a
-    scratch block."""
+    prompt rows of one token (their products are not the recorded ones, chapter 7), more than
+    `GRAPH_MAX_TOKENS` tokens, tensors the kernels do not take, padding without a scratch block."""
     p, T = getattr(step, "attn", None), len(x)
     if not (isinstance(p, KernelPlan) and len(p.prefill_seqs) == 0 and T <= GRAPH_MAX_TOKENS
-            and kernel_applies(x)):
+            and kernel_applies(x) and PROMPT_ROWS.get() is None):
         return None
     size = graph_size(T)
     return size if size == T or scratch_block(cache) is not None else None

@@ -25,9 +25,9 @@ class TensorParallelRunner(ModelRunner):
 
     def execute(self, out):
         with self.workers.on_error():
+            self.admit(out)
             if out.scheduled:
-                rows = [(r.token_ids, r.start, r.block_ids, r.num_logits) for r in out.scheduled]
-                self.workers.send(rows, self.group)
+                self.workers.send((self.rows(out), self.prompt_counts(out)), self.group)
             return super().execute(out)
 
 # %% ../../../nbs/09_scaling_out.ipynb #f79ef908

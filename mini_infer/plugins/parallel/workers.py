@@ -52,8 +52,11 @@ def worker_main(rank, started, groups, init_method, model, device, dtype, config
         config = replace(config, num_blocks=num_blocks, speculative_config=None)
         engine = LLMEngine(m, tokenizer, config)
         run_step, cache = engine.runner.model, engine.cache
-        while (rows := broadcast(None, control)) is not None:
-            run_step(cache.make_step(rows), cache)
+        while (plan := broadcast(None, control)) is not None:
+            rows, prompt_counts = plan
+            step = cache.make_step(rows)
+            step.prompt_counts = prompt_counts
+            run_step(step, cache)
     finally:
         dist.destroy_process_group()
 
@@ -103,10 +106,10 @@ class Workers:
                 raise
             raise died from e
 
-    def send(self, rows, group: int = 0):
-        "Broadcast one step's rows (None: stop) to the workers of group `group`."
+    def send(self, plan, group: int = 0):
+        "Broadcast one step's rows and prompt counts (None: stop) to the workers of group `group`."
         self.procs.check()
-        broadcast(rows, self.groups[group][1])
+        broadcast(plan, self.groups[group][1])
 
     def close(self, timeout: float = 10.0, force: bool = False):
         """Stop the workers (politely if all are alive and not `force`d, a worker mid-step cannot
