@@ -36,6 +36,7 @@ def _engine_options(a) -> dict:
         backend=a.backend,
         quantization=a.quantization,
         kv_cache_dtype=a.kv_cache_dtype,
+        prefill_dtype=a.prefill_dtype,
         enforce_eager=a.enforce_eager,
     )
 
@@ -285,6 +286,13 @@ def _model_args(p):
         "--kv-cache-dtype",
         default="auto",
         help="int8: K/V stored in int8, a scale per token and head (default auto: the model's dtype)",
+    )
+    p.add_argument(
+        "--prefill-dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="products of prompt tokens on CPUs (chapter 7): auto, bf16 where this CPU's bf16 dot "
+        "products pay (measured once); bfloat16 wherever it has them; float32, every token exact",
     )
     p.add_argument(
         "--enforce-eager",

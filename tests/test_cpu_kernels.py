@@ -7,8 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from mini_infer.plugins.cpu.build import native_target
 from mini_infer.plugins.cpu.linear import linear_kernels, pack_weight, pack_glu, linear_packed, linear_glu_packed
-from mini_infer.plugins.cpu.bf16 import bf16_kernels, bf16_prefill, pack_bf16, linear_bf16
-from mini_infer.plugins.cpu.packed import BF16_MIN_ROWS, PackedMethod
+from mini_infer.plugins.cpu.bf16 import bf16_kernels, pack_bf16, linear_bf16
+from mini_infer.plugins.cpu.packed import PackedMethod
 from mini_infer.plugins.cpu.attention import CPUAttention, paged_decode_kernel, paged_prefill_kernel, pool_zeros
 from mini_infer.plugins.cpu.backend import CPUBackend, KernelOps
 from mini_infer.engine.engine import EngineConfig
@@ -341,42 +341,31 @@ def test_bf16_several_outputs_and_bad_input():
 
 
 @needs_bf16
-def test_packed_method_takes_bf16_for_long_steps_only():
-    "Short steps: the float32 bits as before; long steps: bf16 within the bound; the off switch; a weight change is seen."
+def test_packed_method_gives_prompt_rows_their_path_and_sees_a_weight_change():
+    "Without prompt rows set: the float32 bits; with: bf16 within the bound; a replaced weight's copy made anew."
+    from mini_infer.plugins.cpu.prompt import Bf16Tile, PromptRows, prompt_rows
     layer = LinearBase(96, [80], bias=False)
     W = layer.weight.detach().clone()
-    layer.set_method(PackedMethod(bf16=True))
-    short, long = torch.randn(BF16_MIN_ROWS - 1, 96), torch.randn(BF16_MIN_ROWS, 96)
+    layer.set_method(PackedMethod(Bf16Tile()))
+    x, every = torch.randn(70, 96), PromptRows([70], [70])
     with torch.inference_mode():
-        assert torch.equal(layer(short), linear_packed(short, layer.weight, 80))
-        y = layer(long)
-        assert not torch.equal(y, linear_packed(long, layer.weight, 80))
-        assert ((y.double() - long.double() @ W.double().T).abs() <= _bf16_bound(long, W)).all()
-        layer.set_method(PackedMethod())          # the default: float32 products for every step
-        assert torch.equal(layer(long), linear_packed(long, layer.weight, 80))
-        layer.set_method(PackedMethod(bf16=True))
+        assert torch.equal(layer(x), linear_packed(x, layer.weight, 80))
+        with prompt_rows(every):
+            y = layer(x)
+        assert not torch.equal(y, linear_packed(x, layer.weight, 80))
+        assert ((y.double() - x.double() @ W.double().T).abs() <= _bf16_bound(x, W)).all()
         with torch.no_grad(): layer.weight.mul_(-1)
         layer.weights_version += 1   # what set_weights and the quantizers do
-        torch.testing.assert_close(layer(long), -y)
+        with prompt_rows(every):
+            torch.testing.assert_close(layer(x), -y)
 
 
 def test_prefill_dtype_is_an_engine_option():
-    "`prefill_dtype` picks the long steps' products: float32 by default, bf16 where asked and the CPU has them."
-    import dataclasses
+    "`prefill_dtype`: auto by default; float32 gives no layer a prompt path; the engine refuses other names."
     from mini_infer.plugins.cpu.backend import prefill_dtype
-
-    @dataclasses.dataclass
-    class Config(EngineConfig):   # EngineConfig with the proposed field, until chapter 3 has it
-        prefill_dtype: str = "float32"
-
-    assert prefill_dtype(None) == prefill_dtype(EngineConfig()) == "float32"
-    assert not bf16_prefill("float32")
-    assert bf16_prefill("bfloat16") == (bf16_kernels() is not None)
-    assert bf16_prefill("auto") == (bf16_kernels() is not None and "__AMX_BF16__" in native_target(os.environ.get("CC", "cc")))
-    with pytest.raises(ValueError, match="choose from float32, bfloat16, auto"): bf16_prefill("fp8")
+    assert prefill_dtype(None) == "float32" and prefill_dtype(EngineConfig()) == "auto"
+    with pytest.raises(ValueError, match="choose from float32, bfloat16, auto"): EngineConfig(prefill_dtype="fp8")
     torch.manual_seed(0)
-    for dtype in ("float32", "bfloat16"):
-        model = CausalLM(attn_cfg(layers=2), max_positions=64).eval()
-        CPUBackend().prepare(model, Config(enforce_eager=True, prefill_dtype=dtype))
-        bf16 = [layer.method.bf16 for layer in model.linear_layers()]
-        assert bf16 == [dtype == "bfloat16" and bf16_kernels() is not None] * len(bf16)
+    model = CausalLM(attn_cfg(layers=2), max_positions=64).eval()
+    CPUBackend().prepare(model, EngineConfig(enforce_eager=True, prefill_dtype="float32"))
+    assert all(layer.method.prompt is None for layer in model.linear_layers())

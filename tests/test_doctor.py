@@ -5,7 +5,7 @@ import pytest
 from mini_infer import doctor
 from mini_infer.doctor import FAIL, OK, WARN
 
-NAMES = ["torch", "device", "cpu", "kernels", "model", "hub", "memory"]
+NAMES = ["torch", "device", "cpu", "kernels", "prompts", "model", "hub", "memory"]
 
 
 def run_doctor(**env) -> tuple[int, dict[str, tuple[str, str]]]:

@@ -3,9 +3,9 @@
 A prompt row is a token whose position lies inside its request's prompt: a prefill chunk, the lone last prompt token
 after a prefix-cache hit, the prompt part of a request recomputed after preemption. Generated tokens (decode rows,
 verify rows of speculation, the generated part of a recomputed request) stay float32. Each path is checked on its own
-(the tuner would pick one); the oracle is one request at a time over a contiguous cache, its prompt forward under the
-same path and its decode forwards in float32, with the engine's own kernels (the same products at the same
-precision). Bitwise comparisons below compare the same kernel on the same rows: a row-invariant product gives a row
+(the tuner would pick one); the oracle is chapter 1c's one request at a time over a contiguous cache on the engine's
+own model, whose prompt forward then takes the same path and its decode forwards float32 (the same products at the
+same precision). Bitwise comparisons below compare the same kernel on the same rows: a row-invariant product gives a row
 the same bits in any batch on any CPU, which is what `row_invariant` checks and the tuner requires."""
 import pytest
 import torch
@@ -34,6 +34,8 @@ def test_prompt_rows_index_the_tokens():
     assert P.PromptRows.of(step) is None                      # a decode step: every row float32
     step.prompt_counts = None
     assert P.PromptRows.of(step) is None                      # counts not known (a draft model's steps)
+    one = type("Step", (), {"input_ids": torch.zeros(7), "prompt_counts": [7]})   # chapter 1's contiguous step
+    assert P.PromptRows.of(one).all
 
 
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.__name__)
@@ -70,25 +72,13 @@ def engine(**kw):
     return LLM("smollm2-135m", device="cpu", prefill_dtype="bfloat16", kv_cache_memory_gb=0.05, **kw)
 
 
-class Oracle:
-    "One request at a time (chapter 1c's `generate`) on the engine's own model: prompt forward on the path."
-
-    def __init__(self, model):
-        self.model, self.config, self.device, self.dtype = model, model.config, model.device, model.dtype
-
-    def __call__(self, step, cache):
-        n = len(step.input_ids)
-        with P.prompt_rows(P.PromptRows([n], [n]) if step.start == 0 else None):
-            return self.model(step, cache)
-
-
 def test_engine_equals_the_oracle_and_is_batch_invariant(one_path):
     with engine(enable_prefix_caching=False) as llm:
         assert any(isinstance(m.method, PackedMethod) and m.method.prompt is not None
                    for m in llm.engine.model.modules() if isinstance(m, LinearBase))
         batched = [o.token_ids for o in llm.generate(PROMPTS * 2, GREEDY)]     # 16 rows in one batch
         alone = [o.token_ids for p in PROMPTS for o in llm.generate([p], GREEDY)]
-        oracle = [o.token_ids for o in generate(Oracle(llm.engine.model), llm.tokenizer, PROMPTS, GREEDY)]
+        oracle = [o.token_ids for o in generate(llm.engine.model, llm.tokenizer, PROMPTS, GREEDY)]
     assert batched == alone * 2
     assert alone == oracle
 

@@ -23,9 +23,6 @@ class StepInputs(ForwardStep):
     seq_lens: list[int]  # ...and its context length after it
     num_decodes: int  # rows 0..num_decodes-1 have one token each: tokens 0..num_decodes-1
     attn: object = None  # what the attention backend derived from all this, once per step
-    # each row's leading tokens that lie in its prompt (the runner's, chapter 3; None: not known):
-    # chapter 7 gives prompt tokens products of their own
-    prompt_counts: list[int] | None = None
 
 
 def gather_blocks(pool: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:

@@ -56,7 +56,7 @@ def generate_one(
     )
     ids, pos = torch.tensor(prompt_ids, device=dev), 0
     while req.finish_reason is None:
-        logits = model(ContiguousStep.tokens(ids, pos), cache)
+        logits = model(ContiguousStep.tokens(ids, pos, prompt=pos == 0), cache)
         pos += len(ids)
         tokens, lps = sampler.sample(logits, SamplingBatch([params], [generator], [history], dev))
         req.append(int(tokens[0]), lps[0])

@@ -6,7 +6,7 @@ Docs: https://mini-infer.github.io/mini-infer/step_replay.html.md"""
 
 # %% auto #0
 __all__ = ['OPS_C', 'ops_kernels', 'KernelOps', 'ScratchAttention', 'prefill_dtype', 'say_once',
-           'PromptSteps', 'CPUBackend']
+           'give_prompt_rows', 'CPUBackend']
 
 # %% ../../../nbs/07c_step_replay.ipynb #9beacb0a
 import ctypes, functools, sys
@@ -16,7 +16,7 @@ from ...model.layers import LinearBase
 from ...engine.backend import TorchBackend
 from .build import SIMD_C, KernelLibrary, load_library
 from .linear import kernel_applies, linear_kernels
-from .prompt import PromptRows, choose_prompt_paths, prompt_rows
+from .prompt import PROMPT_ROWS, PromptRows, choose_prompt_paths
 from .packed import PackedMethod
 from .attention import CPUAttention
 from .replay import StepGraphs, call_runner
@@ -156,16 +156,21 @@ def say_once(line: str):
         print(f"mini-infer: {line}", file=sys.stderr)
 
 
-class PromptSteps:
-    """What runs a step when layers give prompt rows products of their own: `run_step` (the model,
-    or its `StepGraphs`) inside `prompt_rows` of the step (chapter 7)."""
+def give_prompt_rows(model: CausalLM):
+    """Hooks on `model`: every forward runs inside `prompt_rows` of its step (chapter 7), whoever
+    calls it: the engine's runner, its step graphs, or chapter 1c's one-request reference."""
+    if getattr(model, "prompt_hooks", None):
+        return
+    tokens = []
 
-    def __init__(self, run_step):
-        self.run_step = run_step
+    def enter(module, args):
+        tokens.append(PROMPT_ROWS.set(PromptRows.of(args[0])))
 
-    def __call__(self, step, cache):
-        with prompt_rows(PromptRows.of(step)):
-            return self.run_step(step, cache)
+    def leave(module, args, output):
+        PROMPT_ROWS.reset(tokens.pop())
+
+    model.prompt_hooks = (model.register_forward_pre_hook(enter),
+                          model.register_forward_hook(leave, always_call=True))
 
 
 # %% ../../../nbs/07c_step_replay.ipynb #829faacf
@@ -184,8 +189,8 @@ class CPUBackend:
 
     def prepare(self, model: CausalLM, config=None):
         """Set the model up for the kernels, in place, as the engine's `config` asks (its
-        `prefill_dtype` and `enforce_eager`); what runs a step: the model, or its step graphs,
-        inside `PromptSteps` where prompt rows take products of their own."""
+        `prefill_dtype` and `enforce_eager`); what runs a step: the model, or its step graphs.
+        Where prompt rows take products of their own, the model's forwards set them."""
         if model.dtype != torch.float32 or linear_kernels() is None or ops_kernels() is None:
             # PyTorch's products; the attention still runs in C
             return TorchBackend().prepare(model)
@@ -200,16 +205,16 @@ class CPUBackend:
         if prefill_dtype(config) != "float32":
             say_once(said)
         model.set_ops(KernelOps())
-        run_step = model
-        if not (config is not None and config.enforce_eager) and call_runner() is not None:
-            self.replay_limits = StepGraphs.replay_limits
-            run_step = StepGraphs(model)
-        return PromptSteps(run_step) if any(chosen.values()) else run_step
+        if any(chosen.values()):
+            give_prompt_rows(model)
+        if (config is not None and config.enforce_eager) or call_runner() is None:
+            return model
+        self.replay_limits = StepGraphs.replay_limits
+        return StepGraphs(model)
 
     def attention(self) -> CPUAttention:
         return ScratchAttention()
 
     def reserve(self, run_step, attention, block_size: int) -> int:
         "Replayed steps share one activation area, made now; its bytes (none for eager steps)."
-        run_step = getattr(run_step, "run_step", run_step)  # inside PromptSteps
         return run_step.reserve(attention, block_size) if isinstance(run_step, StepGraphs) else 0

@@ -37,9 +37,12 @@ class PromptRows:
 
     @classmethod
     def of(cls, step) -> "PromptRows | None":
-        "The step's prompt rows; None where it has none (a decode step, or no counts given)."
+        """The step's prompt rows (`prompt_counts` of chapter 1's step; its rows' lengths,
+        `query_lens`, where it has several); None where it has none (a decode step, or no counts)."""
         counts = getattr(step, "prompt_counts", None)
-        return cls(step.query_lens, counts) if counts and any(counts) else None
+        if not counts or not any(counts):
+            return None
+        return cls(getattr(step, "query_lens", None) or [len(step.input_ids)], counts)
 
     def merge(self, yp, yo):
         "One output [tokens, ...] (or a list of them) from the prompt rows' and the others'."
