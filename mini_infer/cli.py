@@ -282,18 +282,11 @@ def _model_args(p):
         default=None,
         help="int8: weights stored in int8, one scale per output channel (default: as loaded)",
     )
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        help="int8: K/V stored in int8, a scale per token and head (default auto: the model's dtype)",
-    )
-    p.add_argument(
-        "--prefill-dtype",
-        default="auto",
-        choices=["auto", "bfloat16", "float32"],
-        help="products of prompt tokens on CPUs (chapter 7): auto, bf16 where this CPU's bf16 dot "
-        "products pay (measured once); bfloat16 wherever it has them; float32, every token exact",
-    )
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="int8: K/V in int8, a scale per token and head (default auto: the model's dtype)")
+    p.add_argument("--prefill-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="prompt tokens' products on CPUs (chapter 7): bf16 where it pays (auto), "
+                   "wherever the CPU has them (bfloat16), or float32 (exact)")
     p.add_argument(
         "--enforce-eager",
         action="store_true",

@@ -1,5 +1,8 @@
 """Engine equivalence and robustness: batched == alone (chapter 1's sequential path is the oracle), chunked == unchunked,
-preempted == not, seeded sampling independent of the batch, stop strings, aborts, bad input, no leaked blocks."""
+preempted == not, seeded sampling independent of the batch, stop strings, aborts, bad input, no leaked blocks.
+The engines here compute every token in float32 (`prefill_dtype="float32"`), as the oracle does: with bf16 prompt
+rows (the default on CPUs that have them) the engine and chapter 1c's loop round different attention sums to bf16,
+so they agree only to near-ties; tests/test_prompt_products.py checks that mode against the engine run alone."""
 import gc, random, weakref
 import pytest, torch
 from mini_infer.engine.engine import LLMEngine, InvalidRequest
@@ -10,7 +13,7 @@ from mini_infer.engine.sampling import SamplingParams
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("smollm2-135m", kv_cache_memory_gb=0.25)
+    return LLM("smollm2-135m", kv_cache_memory_gb=0.25, prefill_dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +32,7 @@ def alone(llm, workload):
 
 
 def engine(llm, **kw):
-    return LLMEngine(llm.model, llm.tokenizer, **{"kv_cache_memory_gb": 0.25, **kw})
+    return LLMEngine(llm.model, llm.tokenizer, **{"kv_cache_memory_gb": 0.25, "prefill_dtype": "float32", **kw})
 
 
 @pytest.mark.parametrize("kw", [

@@ -3,9 +3,9 @@
 A prompt row is a token whose position lies inside its request's prompt: a prefill chunk, the lone last prompt token
 after a prefix-cache hit, the prompt part of a request recomputed after preemption. Generated tokens (decode rows,
 verify rows of speculation, the generated part of a recomputed request) stay float32. Each path is checked on its own
-(the tuner would pick one); the oracle is chapter 1c's one request at a time over a contiguous cache on the engine's
-own model, whose prompt forward then takes the same path and its decode forwards float32 (the same products at the
-same precision). Bitwise comparisons below compare the same kernel on the same rows: a row-invariant product gives a row
+(the tuner would pick one); the token-for-token oracle is the same engine run one request at a time (the same products
+at the same precision, the same attention kernels); chapter 1c's one-request loop on the engine's model (its prompt
+forward on the same path, PyTorch's attention) agrees up to near-ties. Bitwise comparisons below compare the same kernel on the same rows: a row-invariant product gives a row
 the same bits in any batch on any CPU, which is what `row_invariant` checks and the tuner requires."""
 import pytest
 import torch
@@ -20,7 +20,7 @@ PATHS = [p for p in P.PROMPT_PATHS if p.available()]
 pytestmark = pytest.mark.skipif(not PATHS, reason="no bf16 dot products on this CPU: prompt rows stay float32")
 PROMPTS = ["The capital of France is", "def fib(n):", "List three colours:", "1, 2, 3, 4,",
            "Once upon a time", "The opposite of hot is", "import numpy as np\n", "Q: What is 2+2?\nA:"]
-GREEDY = SamplingParams(temperature=0, max_tokens=12)
+GREEDY = SamplingParams(temperature=0, max_tokens=10, logprobs=5)
 SMOL = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                    num_attention_heads=9, num_key_value_heads=3)
 
@@ -72,31 +72,43 @@ def engine(**kw):
     return LLM("smollm2-135m", device="cpu", prefill_dtype="bfloat16", kv_cache_memory_gb=0.05, **kw)
 
 
-def test_engine_equals_the_oracle_and_is_batch_invariant(one_path):
+def outputs(llm, prompts):
+    "Each output's tokens and top-5 logprobs: equal outputs have the same bits."
+    return [(o.token_ids, [lp.top for lp in o.logprobs]) for o in llm.generate(prompts, GREEDY)]
+
+
+def test_batched_equals_alone_and_the_reference_up_to_near_ties(one_path):
+    """The oracle: the same engine, one request at a time (the same products and the same attention kernels). Chapter
+    1c's loop attends with PyTorch's SDPA, whose float32 sums differ in the last bits; rounded to bf16 at the next
+    product, they can move a logit by ~2^-8 relative, so against it only near-ties may differ."""
+    from mini_infer.bench.offline import assert_greedy_close
     with engine(enable_prefix_caching=False) as llm:
         assert any(isinstance(m.method, PackedMethod) and m.method.prompt is not None
                    for m in llm.engine.model.modules() if isinstance(m, LinearBase))
-        batched = [o.token_ids for o in llm.generate(PROMPTS * 2, GREEDY)]     # 16 rows in one batch
-        alone = [o.token_ids for p in PROMPTS for o in llm.generate([p], GREEDY)]
-        oracle = [o.token_ids for o in generate(llm.engine.model, llm.tokenizer, PROMPTS, GREEDY)]
+        batched = outputs(llm, PROMPTS * 2)                                     # 16 rows in one batch
+        alone = [out for p in PROMPTS for out in outputs(llm, [p])]
+        ours = llm.generate(PROMPTS, GREEDY)
+        reference = generate(llm.engine.model, llm.tokenizer, PROMPTS, GREEDY)
     assert batched == alone * 2
-    assert alone == oracle
+    assert_greedy_close(reference, ours)
 
 
 def test_chunks_preemption_prefix_hits_and_speculation_change_nothing(one_path):
-    "Each of these moves prompt tokens between steps, or recomputes them: the tokens stay the ones of a plain run."
-    long = [p * 6 for p in PROMPTS]                               # 30-60 tokens: chunks of 16 split them
+    """Each of these moves prompt tokens between steps, or recomputes them: tokens and logprobs keep their bits. A
+    prompt token always takes the prefill attention kernel, however its prompt was cut (chapter 7b's plan)."""
+    long = [p * 6 for p in PROMPTS]                               # 30-60 tokens: chunks of 16 or 7 split them
     with engine(enable_prefix_caching=False) as llm:
-        ref = [o.token_ids for o in llm.generate(long, GREEDY)]
+        ref = outputs(llm, long)
     variants = [dict(max_num_batched_tokens=16, max_num_seqs=4),   # chunked prefill
+                dict(max_num_batched_tokens=20, max_prefill_chunk=7),   # chunks shorter than a verify row
                 dict(num_blocks=12),                               # too few blocks: preemption, recompute
                 dict(enable_prefix_caching=True),
                 dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4})]
     for kw in variants:
         with engine(**{"enable_prefix_caching": False, **kw}) as llm:
-            if kw.get("enable_prefix_caching"):
-                llm.generate(long, GREEDY)                         # the second run hits the cache, to the last token
-            got = [o.token_ids for o in llm.generate(long, GREEDY)]
+            if kw.get("enable_prefix_caching"):   # the second run hits the cache mid-prompt, on prompt tokens only
+                llm.generate([p[: len(p) // 2] for p in long], SamplingParams(temperature=0, max_tokens=1))
+            got = outputs(llm, long)
             preempted = llm.engine.scheduler.num_preemptions
         assert got == ref, kw
         if "num_blocks" in kw:

@@ -44,10 +44,13 @@ class PagedKVCache(KVCache):
         self.k, self.v = (self.backend.allocate(shape, dtype, device) for _ in "kv")
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, self.k.device
 
-    def make_step(self, rows: list[tuple[list[int], int, list[int], int]]) -> StepInputs:
+    def make_step(
+        self, rows: list[tuple[list[int], int, list[int], int]], prompt_counts=None
+    ) -> StepInputs:
         """`StepInputs` for rows (token ids, position of the first, the row's blocks, number of
-        logits wanted for its last tokens), rows of one token first. Built once, on the device,
-        checked against the pool, planned by the backend."""
+        logits wanted for its last tokens), rows of one token first, and how many of each row's
+        tokens are its prompt's (`prompt_counts`, if known). Built once, on the device, checked
+        against the pool, planned by the backend."""
         packed = pack_rows(rows, self.block_size, self.num_blocks)
         ids, pos, slots, qlens, ctx, logits, tables = packed
         width, R, T = max(map(len, tables)), len(rows), len(ids)
@@ -59,7 +62,8 @@ class PagedKVCache(KVCache):
         i, p, s, c, lg, bt = dev.split([T, T, T, R, len(logits), R * width])
         num_decodes = next((r for r, n in enumerate(qlens) if n != 1), R)
         step = StepInputs(i, p, lg, slot_mapping=s, block_tables=bt.view(R, width), context_lens=c,
-                          query_lens=qlens, seq_lens=ctx, num_decodes=num_decodes)
+                          query_lens=qlens, seq_lens=ctx, num_decodes=num_decodes,
+                          prompt_counts=prompt_counts)
         step.attn = self.backend.plan(step, self.block_size)
         return step
 

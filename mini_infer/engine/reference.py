@@ -56,7 +56,9 @@ def generate_one(
     )
     ids, pos = torch.tensor(prompt_ids, device=dev), 0
     while req.finish_reason is None:
-        logits = model(ContiguousStep.tokens(ids, pos, prompt=pos == 0), cache)
+        step = ContiguousStep.tokens(ids, pos)
+        step.prompt_counts = [len(ids) if pos == 0 else 0]  # the prompt, then generated tokens
+        logits = model(step, cache)
         pos += len(ids)
         tokens, lps = sampler.sample(logits, SamplingBatch([params], [generator], [history], dev))
         req.append(int(tokens[0]), lps[0])

@@ -82,8 +82,7 @@ class ModelRunner:
         self.admit(out)
         if not out.scheduled:
             return RunnerOutput([], [], [])
-        step = self.cache.make_step(self.rows(out))
-        step.prompt_counts = self.prompt_counts(out)
+        step = self.cache.make_step(self.rows(out), self.prompt_counts(out))
         logits = self.model(step, self.cache)
         wanted = [r for r in out.scheduled if r.num_logits]
         if not wanted:

@@ -205,9 +205,7 @@ class ForwardStep:
     input_ids: torch.Tensor
     positions: torch.Tensor
     logits_indices: torch.Tensor | None = None
-    # each row's leading tokens that lie in its prompt (None: not known); chapter 7 gives prompt
-    # tokens products of their own
-    prompt_counts: list[int] | None = None
+    prompt_counts: list[int] | None = None  # each row's tokens in its prompt (for chapter 7)
 
 
 @dataclass
@@ -217,14 +215,12 @@ class ContiguousStep(ForwardStep):
     start: int = 0
 
     @classmethod
-    def tokens(
-        cls, ids: torch.Tensor, start: int, last_only: bool = True, prompt: bool = False
-    ) -> "ContiguousStep":
+    def tokens(cls, ids: torch.Tensor, start: int, last_only: bool = True) -> "ContiguousStep":
         """The step for `ids` at positions start.., wanting the last token's logits (all of them:
-        `last_only=False`); `prompt`: the tokens are the prompt's."""
+        `last_only=False`)."""
         positions = torch.arange(start, start + len(ids), device=ids.device)
         last = torch.tensor([len(ids) - 1], device=ids.device) if last_only else None
-        return cls(ids, positions, last, [len(ids) if prompt else 0], start)
+        return cls(ids, positions, last, start=start)
 
 
 class KVCache:

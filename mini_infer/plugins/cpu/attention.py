@@ -172,19 +172,21 @@ SHORT_ROW = 9
 
 # %% ../../../nbs/07b_cpu_attention.ipynb #12aab18a
 def kernel_plan(step: StepInputs) -> KernelPlan:
-    """The step as the kernels read it: decode rows, and rows of up to `SHORT_ROW` tokens
-    (speculative verify rows) one query at a time, for the decode kernel; longer rows as prompt
-    chunks for the prefill kernel."""
-    nd = step.num_decodes
+    """The step as the kernels read it: every generated token (decode rows, chapter 5's verify
+    rows, the output of a request recomputed after preemption) one query at a time, for the decode
+    kernel; every prompt token in chunks, for the prefill kernel. So a token's attention is the
+    same computation whatever step it lands in and however its prompt was cut. Without the step's
+    prompt counts, rows of up to `SHORT_ROW` tokens count as generated and longer ones as prompt."""
+    counts = step.prompt_counts or [0 if n <= SHORT_ROW else n for n in step.query_lens]
+    nd = next((r for r in range(step.num_decodes) if counts[r]), step.num_decodes)
     tok, rows, lens, seqs, chunks, t0 = [], [], [], [], [], nd
-    for r, (n, c) in enumerate(zip(step.query_lens[nd:], step.seq_lens[nd:]), nd):
-        if n <= SHORT_ROW:
-            tok += range(t0, t0 + n)
-            rows += [r] * n
-            lens += range(c - n + 1, c + 1)
-        else:
-            seqs.append((t0, n, c))
+    for r, (n, c, p) in enumerate(zip(step.query_lens[nd:], step.seq_lens[nd:], counts[nd:]), nd):
+        if p:  # the row's first p tokens: a prompt chunk
+            seqs.append((t0, p, c - n + p))
             chunks.append(r)
+        tok += range(t0 + p, t0 + n)
+        rows += [r] * (n - p)
+        lens += range(c - n + p + 1, c + 1)
         t0 += n
     bt, long = step.block_tables, torch.long
     return KernelPlan(
@@ -194,6 +196,7 @@ def kernel_plan(step: StepInputs) -> KernelPlan:
         torch.tensor(seqs, dtype=long).view(-1, 3),
         bt[chunks].contiguous(),
     )
+
 
 # %% ../../../nbs/07b_cpu_attention.ipynb #df631591
 def store_kv_kernel(k_pool, v_pool, k, v, step: StepInputs) -> bool:

@@ -53,10 +53,7 @@ def worker_main(rank, started, groups, init_method, model, device, dtype, config
         engine = LLMEngine(m, tokenizer, config)
         run_step, cache = engine.runner.model, engine.cache
         while (plan := broadcast(None, control)) is not None:
-            rows, prompt_counts = plan
-            step = cache.make_step(rows)
-            step.prompt_counts = prompt_counts
-            run_step(step, cache)
+            run_step(cache.make_step(*plan), cache)
     finally:
         dist.destroy_process_group()
 

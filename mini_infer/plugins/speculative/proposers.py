@@ -79,9 +79,9 @@ class DraftModelProposer:
 
 # %% ../../../nbs/05_speculative.ipynb #5e1f0a06
 def draft_forward(run_step, cache: PagedKVCache, sampler: Sampler, rows, params, gens):
-    """One draft forward over rows (tokens, start, table); the next token of each, and its q
-    (None if greedy)."""
-    step = cache.make_step([(t, s, tb.blocks, 1) for t, s, tb in rows])
+    """One draft forward over rows (tokens, start, table, how many are the prompt's); the next
+    token of each, and its q (None if greedy)."""
+    step = cache.make_step([(t, s, tb.blocks, 1) for t, s, tb, _ in rows], [p for *_, p in rows])
     logits = run_step(step, cache).float()
     tokens, q = logits.max(-1).indices, [None] * len(rows)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -114,7 +114,7 @@ def propose(
     # the first forward runs every token the draft has not seen yet (at least the last); then
     # one guess each
     rows = [(s.token_slice(st["computed"], s.num_tokens - st["computed"]), st["computed"],
-             st["table"]) for s, _, st in live]
+             st["table"], max(len(s.prompt_ids) - st["computed"], 0)) for s, _, st in live]
     while live:
         gens = [st["generator"] for _, _, st in live]
         toks, q = draft_forward(self.run_step, self.cache, self.sampler, rows,
@@ -123,7 +123,7 @@ def propose(
             guesses[s].append(t)
             qs[s].append(qq)
         live = [(s, k, st) for s, k, st in live if len(guesses[s]) < k]
-        rows = [(guesses[s][-1:], s.num_tokens + len(guesses[s]) - 1, st["table"])
+        rows = [(guesses[s][-1:], s.num_tokens + len(guesses[s]) - 1, st["table"], 0)
                 for s, _, st in live]
     for s in seqs:
         if guesses[s]:
