@@ -963,7 +963,7 @@ def test_01b_q8_0_table_in_the_model(smol_gguf):
     assert wrong.ok is False and "[18, 32]" in wrong.message
     def stub(blocks): raise NotImplementedError
     assert check_q8_0(stub, reader).ok is None
-    assert torch.equal(model.lm_head.weight, table)   # gguf's table is back after each check
+    assert torch.equal(model.lm_head.weight, table)   # gguf's table is back after each check (copied back: the same bits)
 
 
 def test_01b_rms_norm_in_the_model():
