@@ -204,7 +204,7 @@ def _names_1_2(page):
 
 
 def _names_1_10(page):
-    from mini_infer.course.exercises.ch01 import smollm2
+    from mini_infer.course.exercises.ch01b import smollm2
     prompt = page.code(r'prompt = tok\.encode\("([^"]*)"\)').group(1)
     return dict(prompt=smollm2()[1].encode(prompt), check_recompute_tokens=_noop)
 
@@ -227,7 +227,7 @@ def _names_7_1(page):
 
 
 def _names_8_1(page):
-    from mini_infer.course.exercises.ch01 import smollm2
+    from mini_infer.course.exercises.ch01b import smollm2
     from mini_infer.plugins.quant import quantize_int8
     assert page.code(r"W = model\.model\.layers\[27\]\.mlp\.gate_up_proj\.weight\.detach\(\)\.chunk\(2\)\[0\]")
     W = smollm2()[0].model.layers[27].mlp.gate_up_proj.weight.detach().chunk(2)[0]
@@ -252,7 +252,7 @@ PREDICT = [
     Predict("01_model.ipynb", "Exercise 1.3:",   # within 0.1%: the name's 135M (0.4% off) is not the answer
             lambda ns: [rel(ns["prediction"], 0.001, units=("parameters", "weights"))],
             lambda page: dict(smol_cfg=_smol_cfg(), check_param_count=_noop)),
-    Predict("01b_weights_and_tokens.ipynb", "Exercise 1.6:", lambda ns: [rel(ns["prediction"], 0.02, units=("bytes",))],
+    Predict("01b_weights_and_tokens.ipynb", "Exercise 1.5:", lambda ns: [rel(ns["prediction"], 0.02, units=("bytes",))],
             lambda page: dict(reader=None, check_gguf_bytes=_noop)),
     Predict("01c_sampling_and_generate.ipynb", "Exercise 1.9:", lambda ns: [rel(ns["prediction"], 0.002, units=("nats",))],
             lambda page: dict(demo=range(50), check_entropy_limit=_noop)),

@@ -113,6 +113,7 @@ def test_packing_is_lossless_and_reversible(layer):
     assert layer.weight.shape != w.shape
     with torch.inference_mode(): torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
     layer.set_method(LinearMethod())
+    # bit for bit on any CPU: packing and unpacking move the numbers and compute nothing
     assert torch.equal(layer.weight, w) and (b is None or torch.equal(layer.bias, b))
 
 
@@ -150,9 +151,11 @@ def test_linear_packed_several_outputs_in_one_call():
         x = torch.randn(M, 48, generator=g)
         outs = linear_packed(x, packed, [70, 32, 5], bias)
         for out, W, b in zip(outs, Ws, bs):
+            # bit for bit on any CPU: an output is one FMA chain over k in order, whichever call holds its panels
             assert torch.equal(out, linear_packed(x, pack_weight(W, nb), W.shape[0], pad(b, W.shape[0])))
             torch.testing.assert_close(out, F.linear(x, W, b), rtol=1e-5, atol=1e-4)
-        assert all(torch.equal(a[:1], c) for a, c in zip(outs, linear_packed(x[:1], packed, [70, 32, 5], bias)))   # the same bits as one row
+        # the same bits as one row, on any CPU: a row's FMA chain does not depend on the rows beside it (our kernel, no BLAS)
+        assert all(torch.equal(a[:1], c) for a, c in zip(outs, linear_packed(x[:1], packed, [70, 32, 5], bias)))
     with pytest.raises(ValueError): linear_packed(x, packed, [70, 32, 5, 1], bias)   # at most three
     with pytest.raises(ValueError): linear_packed(x, packed, [70, 32], bias)         # panels left over
 
@@ -164,7 +167,7 @@ def test_glu_kernel_matches_pytorch_and_rejects_bad_input():
         packed = pack_glu(Wg, Wu, nb)
         ours = linear_glu_packed(x, packed, N)
         torch.testing.assert_close(ours, F.silu(F.linear(x, Wg)) * F.linear(x, Wu), rtol=1e-5, atol=1e-5)
-        assert torch.equal(linear_glu_packed(x[:1], packed, N), ours[:1])   # batch invariant
+        assert torch.equal(linear_glu_packed(x[:1], packed, N), ours[:1])   # batch invariant: a row's FMA chains, in any tile
     big = torch.full((2, 16), 100.0)   # e^-g under- and overflow: silu(g) = g for g >> 0, 0 for g << 0
     out = linear_glu_packed(big, pack_glu(torch.eye(16), torch.eye(16), nb), 16)
     torch.testing.assert_close(out, torch.full((2, 16), 100.0 * 100.0))
@@ -191,7 +194,7 @@ def test_rope_kernel_matches_pytorch(T, H, D):
     with torch.inference_mode(): got = KernelOps().rope(x, cos, sin)
     torch.testing.assert_close(got, TORCH_OPS.rope(x, cos, sin), rtol=1e-6, atol=1e-6)   # FMA rounding only
     assert not torch.equal(got, x)
-    xb = x.bfloat16()   # other dtypes take PyTorch's path
+    xb = x.bfloat16()   # other dtypes take PyTorch's path: the same function on the same inputs, so the same bits
     assert torch.equal(KernelOps().rope(xb, cos.bfloat16(), sin.bfloat16()), TORCH_OPS.rope(xb, cos.bfloat16(), sin.bfloat16()))
 
 
@@ -255,7 +258,7 @@ def test_prefill_kernel_result_does_not_depend_on_chunking():
         for c in chunks:
             paged_prefill_kernel(q, kp, vp, out, torch.tensor([[t, c, t + c]]), table); t += c
         return out
-    whole = run([n])
+    whole = run([n])   # bit for bit on any CPU: each query walks its keys in the same order, whatever chunk it is in
     for chunks in ([40, 70, 40], [2, 33, 115], [31] * 4 + [26]):
         assert torch.equal(run(chunks), whole)
     both = torch.empty_like(q)   # two chunks in one call: the same again
@@ -349,7 +352,7 @@ def test_packed_method_gives_prompt_rows_their_path_and_sees_a_weight_change():
     layer.set_method(PackedMethod(Bf16Tile()))
     x, every = torch.randn(70, 96), PromptRows([70], [70])
     with torch.inference_mode():
-        assert torch.equal(layer(x), linear_packed(x, layer.weight, 80))
+        assert torch.equal(layer(x), linear_packed(x, layer.weight, 80))   # the same kernel on the same inputs
         with prompt_rows(every):
             y = layer(x)
         assert not torch.equal(y, linear_packed(x, layer.weight, 80))

@@ -590,8 +590,8 @@ def test_02_append():
     assert check_append(stub).ok is None
 
 
-def test_02_append_in_the_engine_catches_a_leak():
-    "A leak the small-table probe cannot see (only past 20 blocks) is caught at the engine step where it happens."
+def test_02_append_in_generate_paged_catches_a_leak():
+    "A leak the small-table probe cannot see (only past 20 blocks) is caught at the call where it happens."
     from mini_infer.course.exercises import ch02
     from mini_infer.engine.block_manager import BlockTable
     calls = []
@@ -603,7 +603,8 @@ def test_02_append_in_the_engine_catches_a_leak():
             allocator.allocate(1)   # one block taken and never put in a table
         return ok
     wrong = ch02.check_append(leaks_later)
-    assert wrong.ok is False and "leaked" in wrong.message and "after step" in wrong.message
+    assert wrong.ok is False and "1 block(s) leaked" in wrong.message
+    assert "after 36 calls" in wrong.message   # the 40th call, after the probe's 4
 
 
 def test_02_gather():
@@ -841,7 +842,8 @@ def test_04_match():
         S = kv.block_size
         return _walk(kv, seq, seq.num_computed_tokens // S, (seq.num_tokens - 1) // S, last(seq), take=True)
     wrong = check_match(takes_them)
-    assert wrong.ok is False and "leaked" in wrong.message and "after step" in wrong.message
+    assert wrong.ok is False and "1 block(s) leaked" in wrong.message
+    assert "after 36 calls" in wrong.message   # the 40th call, after the probe's 4
 
     def stub(kv, seq):
         raise NotImplementedError
@@ -900,12 +902,76 @@ def test_01_param_count():
     assert check_param_count(None, cfg).ok is None
 
 
-def test_01_rms_norm_in_the_model():
+@pytest.fixture(scope="module")
+def smol_gguf():
+    import gguf
+    from mini_infer.model.loader import bundled_gguf_path
+    from mini_infer.model.tokenizer import Tokenizer
+    reader = gguf.GGUFReader(str(bundled_gguf_path()))
+    return reader, Tokenizer.from_gguf(reader)
+
+
+def test_01b_chatml(smol_gguf):
+    from mini_infer.course.exercises.ch01b import check_chatml
+    tok = smol_gguf[1]
+    ns = solution("01b_weights_and_tokens.ipynb", "Exercise 1.4:", check_chatml=check_chatml, smol_tok=tok)
+    assert check_chatml(ns["chatml"], tok).ok is True
+    no_default = lambda ms: "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in ms) + "<|im_start|>assistant\n"
+    wrong = check_chatml(no_default, tok)
+    assert wrong.ok is False and "system message" in wrong.message
+    no_prompt = lambda ms: ns["chatml"](ms)[: -len("<|im_start|>assistant\n")]
+    wrong = check_chatml(no_prompt, tok)
+    assert wrong.ok is False and "generation prompt" in wrong.message
+    def stub(messages): raise NotImplementedError
+    assert check_chatml(stub, tok).ok is None
+
+
+def test_01b_gguf_bytes(smol_gguf):
+    from mini_infer.course.exercises.ch01b import check_gguf_bytes
+    reader = smol_gguf[0]
+    ns = solution("01b_weights_and_tokens.ipynb", "Exercise 1.5:", check_gguf_bytes=check_gguf_bytes, reader=reader)
+    assert check_gguf_bytes(ns["prediction"], reader).ok is True
+    wrong = check_gguf_bytes(134_515_008 // 2, reader)   # 4 bits per weight, no scales
+    assert wrong.ok is False and "scale" in wrong.message
+    wrong = check_gguf_bytes(134_515_008 * 5 // 8, reader)   # all Q4_1
+    assert wrong.ok is False and "Q8_0" in wrong.message
+    assert check_gguf_bytes(None, reader).ok is None
+
+
+def test_01b_q8_0_table_in_the_model(smol_gguf):
+    "Build it: the learner's Q8_0 decoder makes SmolLM2's table, loaded through `load_weights`; greedy tokens compared."
+    import numpy as np
+    import torch
+    from mini_infer.course.exercises.ch01b import check_q8_0
+    from mini_infer.course.exercises.ch01b import smollm2
+    reader = smol_gguf[0]
+    model, _ = smollm2()
+    table = model.lm_head.weight.detach().clone()
+    ns = solution("01b_weights_and_tokens.ipynb", "Exercise 1.6:", check_q8_0=check_q8_0, reader=reader, np=np)
+    assert check_q8_0(ns["dequant_q8_0"], reader).ok is True
+    def variant(blocks):   # float64, the scale read with frombuffer, the sign taken by hand
+        scale = np.frombuffer(blocks[:, :2].tobytes(), dtype="<f2").astype(np.float64)[:, None]
+        q = blocks[:, 2:].astype(np.int16)
+        return scale * np.where(q > 127, q - 256, q)
+    assert check_q8_0(variant, reader).ok is True
+    unsigned = lambda b: b[:, :2].view(np.float16).astype(np.float32) * b[:, 2:].astype(np.float32)
+    wrong = check_q8_0(unsigned, reader)
+    assert wrong.ok is False and "signed" in wrong.message and "token 0" in wrong.message
+    wrong = check_q8_0(lambda b: b[:, 2:].view(np.int8).astype(np.float32), reader)   # no scale
+    assert wrong.ok is False and "scale" in wrong.message
+    wrong = check_q8_0(lambda b: ns["dequant_q8_0"](b).reshape(-1), reader)   # flat, not [n, 32]
+    assert wrong.ok is False and "[18, 32]" in wrong.message
+    def stub(blocks): raise NotImplementedError
+    assert check_q8_0(stub, reader).ok is None
+    assert torch.equal(model.lm_head.weight, table)   # gguf's table is back after each check (copied back: the same bits)
+
+
+def test_01b_rms_norm_in_the_model():
     "Build it: the learner's RMSNorm runs in SmolLM2's 61 norms through `set_ops`; greedy tokens compared."
     import torch
-    from mini_infer.course.exercises.ch01 import check_rms_norm, smollm2, engine_greedy
+    from mini_infer.course.exercises.ch01b import check_rms_norm, smollm2
     from mini_infer.model.model import TorchOps
-    ns = solution("01_model.ipynb", "Exercise 1.4:", check_rms_norm=check_rms_norm, torch=torch)
+    ns = solution("01b_weights_and_tokens.ipynb", "Exercise 1.7:", check_rms_norm=check_rms_norm, torch=torch)
     assert check_rms_norm(ns["rms_norm"]).ok is True
     # a correct variant, written differently: divide by the square root of sum / d
     variant = lambda x, w, eps: w * (x / torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + eps))
@@ -923,70 +989,6 @@ def test_01_rms_norm_in_the_model():
     assert check_rms_norm(stub).ok is None
     model, _ = smollm2()   # the engine's ops are back, and its tokens with them
     assert all(type(m.ops) is TorchOps for m in model.ops_modules())
-
-
-@pytest.fixture(scope="module")
-def smol_gguf():
-    import gguf
-    from mini_infer.model.loader import bundled_gguf_path
-    from mini_infer.model.tokenizer import Tokenizer
-    reader = gguf.GGUFReader(str(bundled_gguf_path()))
-    return reader, Tokenizer.from_gguf(reader)
-
-
-def test_01b_chatml(smol_gguf):
-    from mini_infer.course.exercises.ch01b import check_chatml
-    tok = smol_gguf[1]
-    ns = solution("01b_weights_and_tokens.ipynb", "Exercise 1.5:", check_chatml=check_chatml, smol_tok=tok)
-    assert check_chatml(ns["chatml"], tok).ok is True
-    no_default = lambda ms: "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in ms) + "<|im_start|>assistant\n"
-    wrong = check_chatml(no_default, tok)
-    assert wrong.ok is False and "system message" in wrong.message
-    no_prompt = lambda ms: ns["chatml"](ms)[: -len("<|im_start|>assistant\n")]
-    wrong = check_chatml(no_prompt, tok)
-    assert wrong.ok is False and "generation prompt" in wrong.message
-    def stub(messages): raise NotImplementedError
-    assert check_chatml(stub, tok).ok is None
-
-
-def test_01b_gguf_bytes(smol_gguf):
-    from mini_infer.course.exercises.ch01b import check_gguf_bytes
-    reader = smol_gguf[0]
-    ns = solution("01b_weights_and_tokens.ipynb", "Exercise 1.6:", check_gguf_bytes=check_gguf_bytes, reader=reader)
-    assert check_gguf_bytes(ns["prediction"], reader).ok is True
-    wrong = check_gguf_bytes(134_515_008 // 2, reader)   # 4 bits per weight, no scales
-    assert wrong.ok is False and "scale" in wrong.message
-    wrong = check_gguf_bytes(134_515_008 * 5 // 8, reader)   # all Q4_1
-    assert wrong.ok is False and "Q8_0" in wrong.message
-    assert check_gguf_bytes(None, reader).ok is None
-
-
-def test_01b_q8_0_table_in_the_model(smol_gguf):
-    "Build it: the learner's Q8_0 decoder makes SmolLM2's table, loaded through `load_weights`; greedy tokens compared."
-    import numpy as np
-    import torch
-    from mini_infer.course.exercises.ch01b import check_q8_0
-    from mini_infer.course.exercises.ch01 import smollm2
-    reader = smol_gguf[0]
-    model, _ = smollm2()
-    table = model.lm_head.weight.detach().clone()
-    ns = solution("01b_weights_and_tokens.ipynb", "Exercise 1.7:", check_q8_0=check_q8_0, reader=reader, np=np)
-    assert check_q8_0(ns["dequant_q8_0"], reader).ok is True
-    def variant(blocks):   # float64, the scale read with frombuffer, the sign taken by hand
-        scale = np.frombuffer(blocks[:, :2].tobytes(), dtype="<f2").astype(np.float64)[:, None]
-        q = blocks[:, 2:].astype(np.int16)
-        return scale * np.where(q > 127, q - 256, q)
-    assert check_q8_0(variant, reader).ok is True
-    unsigned = lambda b: b[:, :2].view(np.float16).astype(np.float32) * b[:, 2:].astype(np.float32)
-    wrong = check_q8_0(unsigned, reader)
-    assert wrong.ok is False and "signed" in wrong.message and "token 0" in wrong.message
-    wrong = check_q8_0(lambda b: b[:, 2:].view(np.int8).astype(np.float32), reader)   # no scale
-    assert wrong.ok is False and "scale" in wrong.message
-    wrong = check_q8_0(lambda b: ns["dequant_q8_0"](b).reshape(-1), reader)   # flat, not [n, 32]
-    assert wrong.ok is False and "[18, 32]" in wrong.message
-    def stub(blocks): raise NotImplementedError
-    assert check_q8_0(stub, reader).ok is None
-    assert torch.equal(model.lm_head.weight, table)   # gguf's table is back after each check
 
 
 def test_01c_top_p_in_the_sampler():

@@ -15,9 +15,10 @@ def dotted(p: Path) -> str:
     return ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
 
 
-def imports(p: Path) -> set[str]:
-    "The mini_infer modules `p` imports (relative imports resolved), at any depth in the file."
-    here, found = dotted(p).split("."), set()
+def import_nodes(p: Path):
+    """(line, module, name) for each name `p` imports from a mini_infer module, relative imports
+    resolved, at any depth in the file (inside functions too); `name` is None for `import m`."""
+    here = dotted(p).split(".")
     pkg = here if p.name == "__init__.py" else here[:-1]
     tree = ast.parse(p.read_text())
     for block in [n for n in ast.walk(tree) if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)]:
@@ -26,11 +27,20 @@ def imports(p: Path) -> set[str]:
         if isinstance(node, ast.ImportFrom):
             base = pkg[: len(pkg) - node.level + 1] if node.level else []
             mod = ".".join(base + ([node.module] if node.module else []))
-            found |= {mod} | {f"{mod}.{a.name}" for a in node.names}
+            yield from ((node.lineno, mod, a.name) for a in node.names if mod.startswith("mini_infer"))
         elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-    return {m for m in found if m.startswith("mini_infer.") and (
-        (ROOT / m.replace(".", "/")).with_suffix(".py").exists() or (ROOT / m.replace(".", "/")).is_dir())}
+            yield from ((node.lineno, a.name, None) for a in node.names if a.name.startswith("mini_infer."))
+
+
+def module_file(mod: str) -> Path | None:
+    q = ROOT / mod.replace(".", "/")
+    return next((f for f in (q.with_suffix(".py"), q / "__init__.py") if f.exists()), None)
+
+
+def imports(p: Path) -> set[str]:
+    "The mini_infer modules `p` imports (relative imports resolved), at any depth in the file."
+    found = {m for _, mod, name in import_nodes(p) for m in (mod, f"{mod}.{name}")}
+    return {m for m in found if m.startswith("mini_infer.") and module_file(m)}
 
 
 def layer(mod: str) -> str | None:
@@ -60,18 +70,54 @@ def chapter_of(p: Path) -> str | None:
     return m.group(1) if m else None
 
 
+CELL = re.compile(r"^# %% [./]*nbs/(\w+?)_\S*\.ipynb")
+
+
+def line_chapters(p: Path) -> list[str | None]:
+    """The chapter of each line of `p` (index: line number - 1): the notebook of the cell it was
+    exported from (a module takes cells from several notebooks), its header's before any cell."""
+    ch, found = chapter_of(p), []
+    for line in p.read_text().splitlines():
+        ch = m.group(1) if (m := CELL.match(line)) else ch
+        found.append(ch)
+    return found
+
+
+def chapter_of_name(mod: str, name: str | None) -> str | None:
+    """The chapter of what `from mod import name` (or `import mod`) brings in: a submodule's, or
+    the cell that defines `name`, or that imports it into `mod`."""
+    f = module_file(f"{mod}.{name}") if name else None
+    if f or not name:
+        f = f or module_file(mod)
+        return chapter_of(f) if f else None
+    f = module_file(mod)
+    if f is None:
+        return None
+    chs, tree = line_chapters(f), ast.parse(f.read_text())
+    for node in tree.body:
+        targets = getattr(node, "targets", [getattr(node, "target", None)])
+        if getattr(node, "name", None) == name or any(getattr(t, "id", None) == name for t in targets):
+            return chs[node.lineno - 1]
+    return next((chapter_of_name(m, n) for _, m, n in import_nodes(f) if n == name), chapter_of(f))
+
+
+def lesson_order(ch: str | None):
+    """A chapter's place in the course (07 < 07b < 07c < 08), None for the appendices (90 and up:
+    the CLI and the exercise harness, which every chapter may use) and the landing page."""
+    return (ch[:2], ch[2:]) if ch and ch[:2].isdigit() and int(ch[:2]) < 90 else None
+
+
 def test_no_chapter_imports_a_later_one():
-    order = lambda ch: (ch[:2], ch[2:])   # 07 < 07b < 07c < 08
+    """Code from chapter N never imports a later chapter: every import, at any depth (a function's
+    lazy import too) and in every module (the course's included), dated by the notebook cell it
+    was exported from, against the cell that defines what it imports."""
     late = []
     for p in MODULES:
-        ch = chapter_of(p)
-        if ch is None or not ch[:2].isdigit() or int(ch[:2]) >= 90 or dotted(p).startswith("mini_infer.course"):
-            continue
-        for m in imports(p):
-            q = (ROOT / m.replace(".", "/")).with_suffix(".py")
-            other = chapter_of(q) if q.exists() else None
-            if other and other[:2].isdigit() and int(other[:2]) < 90 and order(other) > order(ch):
-                late.append(f"{dotted(p)} (ch {ch}) -> {m} (ch {other})")
+        chs = line_chapters(p)
+        for line, mod, name in import_nodes(p):
+            me, other = chs[line - 1], chapter_of_name(mod, name)
+            if lesson_order(me) and lesson_order(other) and lesson_order(other) > lesson_order(me):
+                late.append(f"{dotted(p)}:{line} (ch {me}) -> {mod}:{name} (ch {other})")
     assert not late, late
 
 

@@ -129,6 +129,7 @@ def test_gguf_logits_close_and_cache(gguf_pair):
     cached = time.perf_counter() - t0
     print(f"GGUF load: first {first:.1f}s, cached {cached:.1f}s")
     assert cached < first
+    # bit for bit: both loads copy the same cached file's numbers, computing nothing
     assert torch.equal(again.model.layers[3].self_attn.qkv_proj.weight, ours.model.layers[3].self_attn.qkv_proj.weight)
 
 

@@ -49,7 +49,7 @@ def test_round_trip_within_half_a_step(n, groups, g, scale, outlier, seed):
     assert q.dtype == torch.int8 and s.shape == (n, K // (g or K)) and q.abs().max() <= 127
     step = s.repeat_interleave(K // s.shape[1], 1)
     assert ((dequantize_int8(q, s) - w).abs() <= step / 2 * (1 + 1e-6)).all()
-    assert (dequantize_int8(q, s)[-1] == 0).all()
+    assert (dequantize_int8(q, s)[-1] == 0).all()   # exactly: 0 times any scale is 0
     p = quantize_kv(w.view(n, -1, 4))
     kv_step = w.view(n, -1, 4).abs().amax(-1, keepdim=True) / 127
     assert ((dequantize_kv(p) - w.view(n, -1, 4)).abs() <= kv_step / 2 * (1 + 1e-6) + 1e-30).all()
@@ -91,6 +91,8 @@ def test_kernel_equals_dequantize_then_matmul(N, K, bias, g):
         y, ref = linear_int8(x, layer), torch.nn.functional.linear(x, w, layer.bias)
         assert ((y - ref).abs() <= 2 * K * 2**-24 * (x.abs() @ w.abs().T) + 1e-6).all()
         b = torch.nn.functional.pad(layer.bias, (0, -N % nb)) if bias else None
+        # bit for bit on any CPU: float(q) * scale is the number `dequantize_int8` computes (two correctly rounded
+        # operations), then the same FMA chain over k as chapter 7's tile, a row alone
         assert torch.equal(y, linear_packed(x, packed, N, b))
         assert torch.equal(y[-1], linear_int8(x[-1:], layer)[0]) and torch.equal(y[:3], linear_int8(x[:3], layer))
 
@@ -110,9 +112,9 @@ def test_glu_kernel_equals_chapter_7s(g):
         for M in (1, 2, 3, 4, 5, 7, 13, 40):
             x = torch.randn(M, K)
             y = layer(x)
-            assert torch.equal(y, linear_glu_packed(x, packed, N))
+            assert torch.equal(y, linear_glu_packed(x, packed, N))   # the same FMA chains on the same float weights
             torch.testing.assert_close(y, torch.nn.functional.silu(x @ wg.T) * (x @ wu.T), atol=1e-5, rtol=1e-4)
-            assert torch.equal(y[-1:], layer(x[-1:]))
+            assert torch.equal(y[-1:], layer(x[-1:]))   # a row alone: the same chains
 
 
 @pytest.mark.parametrize("N", [3 * 32, 3 * 32 + 2])
@@ -140,7 +142,7 @@ def test_qkv_come_out_of_one_kernel_call_as_tensors_of_their_own(M):
     with torch.inference_mode():
         q, k, v = layer.split(x)
         assert all(t.is_contiguous() for t in (q, k, v)) and [t.shape[-1] for t in (q, k, v)] == [3 * nb, nb, nb]
-        assert torch.equal(torch.cat([q, k, v], -1), layer.method.apply(layer, x))
+        assert torch.equal(torch.cat([q, k, v], -1), layer.method.apply(layer, x))   # one kernel call, written in three places
 
 
 def test_panels_round_trip():
@@ -149,6 +151,7 @@ def test_panels_round_trip():
     layer = int8_layer(w, None, 64)
     q, s = quantize_int8(w, 64)
     assert layer.weight.shape == (-(-45 // panel_width()), 128, panel_width()) and layer.scale.shape[1] == 2
+    # bit for bit: unpacking only moves numbers, and both dequantize with the same elementwise product
     assert torch.equal(unpack_panels(layer.weight, 45), q) and torch.equal(dequantized(layer), dequantize_int8(q, s))
 
 
@@ -270,6 +273,7 @@ def test_int8_store_and_decode_kernels_equal_the_pytorch_path(D):
     slots = torch.randperm(blocks * B, generator=g)[:T]
     pools = [torch.zeros(blocks, B, Hkv, D + 4, dtype=torch.int8) for _ in range(2)]
     int8_attention_kernels().store_kv_int8(k.data_ptr(), v.data_ptr(), pools[0].data_ptr(), pools[1].data_ptr(), slots.data_ptr(), T, Hkv, D)
+    # bit for bit on any CPU: IEEE division and rounding half to even are exactly defined, in C as in PyTorch
     for pool, x in zip(pools, (k, v)): assert torch.equal(pool.view(-1, Hkv, D + 4)[slots], quantize_kv(x))
     pools = [torch.randint(-127, 128, (blocks, B, Hkv, D + 4), dtype=torch.int8, generator=g) for _ in range(2)]
     for p in pools: p[..., -4:] = (torch.rand(blocks, B, Hkv, 1, generator=g) / 10).view(torch.int8)   # valid scales
@@ -277,7 +281,7 @@ def test_int8_store_and_decode_kernels_equal_the_pytorch_path(D):
     tok, tables, lens = torch.tensor([2, 0, 1]), torch.randint(0, blocks, (3, 5), generator=g), torch.tensor([17, 1, 9])
     out = paged_decode_int8(q, *pools, torch.empty_like(q), tok, tables, lens)
     ref = paged_decode_kernel(q, *(dequantize_kv(p) for p in pools), torch.empty_like(q), tok, tables, lens)
-    if D % 16 == 0: assert torch.equal(out, ref)
+    if D % 16 == 0: assert torch.equal(out, ref)   # whole vectors: both kernels are one macro, the same FMA order
     else: torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)   # the scalar tail of each dot product: GCC orders it its own way
 
 

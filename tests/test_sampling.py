@@ -125,7 +125,7 @@ def test_penalties_exact(logits):
     for i, (p, (pr, o)) in enumerate(zip(params, hist)):
         ref = ref_penalties(logits[i].tolist(), pr, o, p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
         torch.testing.assert_close(out[i], torch.tensor(ref), rtol=1e-6, atol=1e-6)
-    assert torch.equal(out[4], logits[4])
+    assert torch.equal(out[4], logits[4])   # no penalty: the row is left as it was, not recomputed
 
 
 def test_penalised_greedy_avoids_repeats():

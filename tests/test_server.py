@@ -345,6 +345,7 @@ def test_bench_serve(server, tmp_path):
     s = run_bench_serve(server, None, num_prompts=4, input_len=8, output_len=4, request_rate=50.0, slo_ttft_ms=60_000,
                         save_json=str(tmp_path / "b.json"), quiet=True, ignore_eos=True)
     assert (s["completed"], s["errors"], s["timeouts"]) == (4, 0, 0) and s["mean_output_tokens"] == 4
+    # goodput is the throughput exactly: both are a count (the same) over the same duration
     assert s["goodput"] == s["request_throughput"] and s["ttft_ms"]["p50"] > 0 and s["tpot_ms"]["p99"] >= s["tpot_ms"]["p50"]
     assert json.loads((tmp_path / "b.json").read_text())["completed"] == 4
     plain = run_bench_serve(server, None, num_prompts=2, input_len=8, output_len=4, quiet=True)   # ignore_eos is opt-in

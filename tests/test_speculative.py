@@ -95,7 +95,7 @@ def test_seeded_rejection_sampling_is_reproducible():
 
 def test_plan_guesses():
     assert plan_guesses([1.0], [8], 0.1) == [8] and plan_guesses([0.0], [8], 0.1) == [0]
-    assert expected_tokens(0.5, 2) == 1.75
+    assert expected_tokens(0.5, 2) == 1.75   # 1 + 0.5 + 0.25: powers of 2, exact in binary
     assert plan_guesses([1.0], [8], 1.1) == [0]            # a draft as costly as the target never pays, even when always right
     assert plan_guesses([0.9, 0.3], [4, 4], 0.08) == [4, 1]  # the likelier guesses first
     one, many = plan_guesses([0.8], [8], 0.08)[0], plan_guesses([0.8] * 32, [8] * 32, 0.08)
@@ -115,7 +115,7 @@ def test_lookup_ceiling():
     ng = NgramProposer(n_max=2, n_min=2)
     prompt = [1, 2, 3, 4, 5, 6, 7]
     assert lookup_ceiling(prompt, [1, 2, 3, 4, 5, 6, 7], ng.lookup, 8) == 7 / 3   # [1], [2], then 3..7 guessed in one step
-    assert lookup_ceiling(prompt, [9, 8, 9, 8, 7], ng.lookup, 8) == 1.0          # nothing to copy: a token per step
+    assert lookup_ceiling(prompt, [9, 8, 9, 8, 7], ng.lookup, 8) == 1.0          # nothing to copy: a token per step (n / n)
     assert lookup_ceiling(prompt, [1, 2, 3, 4, 5, 6, 7], ng.lookup, 2) == 7 / 4  # k caps each step's guesses
 
 
@@ -183,7 +183,9 @@ def test_draft_model_greedy_equals_plain(llm, workload, alone, tiny_draft, draft
     outs = run_to_completion(eng, *workload)
     assert [o.token_ids for o in outs] == alone
     st, draft_pool = eng.stats(), eng.scheduler.proposer.proposer.allocator
-    if draft == "same": assert st["spec_decode_draft_acceptance_rate"] == 1.0   # the target guessing for itself is always right
+    # the target guessing for itself is always right: chapter 7's kernels compute each row alone, so its 1-token draft
+    # rows and 1 + k verify rows give the same logits bit for bit, and the rate is a ratio of equal counts
+    if draft == "same": assert st["spec_decode_draft_acceptance_rate"] == 1.0
     assert st["spec_decode_num_draft_tokens_total"] > 0
     assert draft_pool.num_free == draft_pool.num_blocks and not eng.scheduler.proposer.proposer.state   # freed with the target's
 
@@ -266,6 +268,54 @@ def test_logprobs_and_penalties_are_the_targets(llm, workload):
             assert list(x.top) == list(y.top) and all(abs(x.top[t] - y.top[t]) < 1e-4 for t in x.top)
 
 
+@pytest.mark.parametrize("draft, adaptive", [("tiny", False), ("same", False), ("tiny", True)])
+def test_the_draft_rolls_its_cache_back_exactly(llm, workload, tiny_draft, draft, adaptive, monkeypatch):
+    """After a verification the draft keeps exactly the tokens of its own cache that are still the
+    sequence's, and runs only the rest: each proposal's first draft forward starts at the first
+    position where what the draft has cached (shadowed here, position by position) differs from the
+    sequence, or at its last token (whose logits it needs). One position too far back recomputes a
+    kept token for nothing; one too few keeps a rejected guess's K/V: both only slow speculation
+    down, so only this test sees them. A mostly wrong draft rejects at the first guess; the target
+    guessing for itself, with penalties only the target applies, keeps some guesses and rejects
+    the next; with adaptive k a sequence skips proposals and the draft catches up several tokens
+    (only there does a roll-back one short show: after a verification, the last token bounds it)."""
+    from mini_infer.plugins.speculative import proposers
+    model = tiny_draft if draft == "tiny" else (llm.model, llm.tokenizer)
+    eng = engine(llm, speculative_config=dict(method="draft_model", model=model, num_speculative_tokens=3, adaptive=adaptive))
+    prop = eng.scheduler.proposer.proposer
+    cached, base, wrong, rollbacks, fed = {}, {}, [], Counter(), Counter()   # per draft table: its cached tokens, the length at its last proposal
+    first, propose, draft_forward = [False], prop.propose, proposers.draft_forward
+    def proposing(seqs, ks):
+        first[0] = True
+        return propose(seqs, ks)
+    def recording(run_step, cache, sampler, rows, params, gens):
+        seq_of = {st["table"]: s for s, st in prop.state.items()}
+        for tokens, start, table in rows:
+            held, seq = cached.setdefault(table, []), seq_of[table]
+            if first[0]:
+                final = seq.token_slice(0, seq.num_tokens)
+                kept = next((i for i, (a, b) in enumerate(zip(held, final)) if a != b), min(len(held), len(final)))
+                if start != min(kept, seq.num_tokens - 1):
+                    wrong.append(f"{seq.request_id}: the draft ran from position {start}, its cache holds the first {kept}")
+                if kept < len(held):
+                    rollbacks[kept - base[table]] += 1   # a rejection, after this many kept guesses
+                if table in base:
+                    fed[len(tokens)] += 1   # the tokens of a catch-up after an earlier proposal
+                base[table] = seq.num_tokens
+            assert start <= len(held), f"{seq.request_id}: the draft ran from {start}, past what it has cached ({len(held)})"
+            held[start:] = tokens
+        first[0] = False
+        return draft_forward(run_step, cache, sampler, rows, params, gens)
+    monkeypatch.setattr(prop, "propose", proposing)
+    monkeypatch.setattr(proposers, "draft_forward", recording)
+    prompts, _ = workload
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5)
+    run_to_completion(eng, prompts[:6], [sp] * 6)
+    assert not wrong, wrong[:5]
+    assert rollbacks[0] > 0 and (draft == "tiny" or sum(n for kept, n in rollbacks.items() if kept > 0) > 0), rollbacks
+    assert max(fed) <= 2 if not adaptive else max(fed) > 2, fed   # 1 after a rejection, 2 after none; more after skipped proposals
+
+
 def test_stop_strings_when_tokens_arrive_together(llm):
     tok = llm.tokenizer
     prompt = tok.encode_chat([{"role": "user", "content": "Repeat exactly: one, two, three, four, five, six, seven, eight."}])
@@ -291,7 +341,7 @@ def test_seeded_sampling_reproducible(llm, workload):
         eng = engine(llm, speculative_config=cfg)
         runs.append([o.token_ids for o in run_to_completion(eng, prompts[:4], sp)])
     assert runs[0] == runs[1]
-    assert eng.stats()["spec_decode_draft_acceptance_rate"] == 1.0   # q = p: every sampled guess is kept
+    assert eng.stats()["spec_decode_draft_acceptance_rate"] == 1.0   # q = p bit for bit (rows computed alone): all kept
 
 
 def test_adaptive_switches_off(llm, workload, tiny_draft):

@@ -1,5 +1,7 @@
 """Chapter 7's step graphs: a decode step's kernel calls recorded once and replayed from C. The oracle is the same engine
-with `enforce_eager=True`, every step in Python: the same tokens and the same logprobs, bit for bit."""
+with `enforce_eager=True`, every step in Python: the same tokens and the same logprobs, bit for bit. Bitwise is
+right on any CPU: a replay makes the very kernel calls the Python step makes, on the same inputs, in the same order
+(a step that PyTorch would compute in is refused, not recorded)."""
 import dataclasses, warnings
 import pytest, torch
 
@@ -36,7 +38,7 @@ def test_recording_refuses_what_pytorch_computes():
         with pytest.raises(RuntimeError, match="a replay would skip it"): StepGraph(lambda a: ops.add(a * 2, a), a)
         with pytest.raises(RuntimeError, match="a replay would skip it"): StepGraph(lambda a: ops.add(a.t().reshape(4, 64), a), a)  # a copying reshape
     assert getattr(recording, "calls", None) is None      # nothing is left recording
-    assert torch.equal(ops.add(a, a), a * 2)
+    assert torch.equal(ops.add(a, a), a * 2)   # a + a is exactly 2a in IEEE arithmetic
 
 
 def _run(model, prompts, params, **kw):
@@ -133,7 +135,7 @@ def test_padded_steps_equal_python_steps_and_keep_padding_in_the_scratch_block()
                           spec_eng := LLMEngine(model, NoText(), num_blocks=200, block_size=4, enforce_eager=eager, speculative_config=spec))
         runs[eager] = ([(o.token_ids, o.logprobs) for o in run_to_completion(plain, prompts, params)],
                        [o.token_ids for o in run_to_completion(spec_eng, copy, copy_params)])
-    assert runs[False] == runs[True]
+    assert runs[False] == runs[True]   # padding rows change no real row: every kernel computes a row alone
     plain, spec_eng = engines[False]
     for eng in (plain, spec_eng):
         assert scratch_block(eng.cache) == eng.cache.num_blocks

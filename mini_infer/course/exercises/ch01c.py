@@ -14,7 +14,7 @@ __all__ = ['N_SAMPLED', 'SAMPLED', 'top_p_mistake', 'engine_sampled', 'check_top
 import functools, math
 import torch
 from ..exercise import exercise_check, expect, close_enough
-from .ch01 import PROMPTS, first_divergence, smollm2
+from .ch01b import PROMPTS, first_divergence, smollm2
 from ...engine.reference import generate
 from ...engine.sampling import Sampler, SamplingBatch, SamplingParams, top_p_mask
 
@@ -54,7 +54,7 @@ SAMPLED = [SamplingParams(temperature=0.8, top_p=0.8, seed=i, max_tokens=N_SAMPL
 def engine_sampled():
     "The engine's sampled tokens for `PROMPTS` at temperature 0.8, top-p 0.8, seeded: run once."
     model, tok = smollm2()
-    return generate(model, tok, PROMPTS, SAMPLED)
+    return [o.token_ids for o in generate(model, tok, PROMPTS, SAMPLED)]
 
 
 @exercise_check
@@ -76,7 +76,8 @@ def check_top_p(nucleus):
     sampler = Sampler({"top_p": yours})  # the engine's sampler, with your top-p
     sampler.probs(logits, batch)
     model, tok = smollm2()
-    want, got = engine_sampled(), generate(model, tok, PROMPTS, SAMPLED, sampler)
+    got = [o.token_ids for o in generate(model, tok, PROMPTS, SAMPLED, sampler)]
+    want = engine_sampled()
     diverged = first_divergence(PROMPTS, want, got, tok, "the engine's sampler")
     wrong = next((why for why in calls if why), None)
     said = [f"with the same seeds, {diverged}" if diverged else None, wrong]

@@ -7,31 +7,51 @@ __all__ = ['LENGTHS', 'PROMPTS', 'check_append', 'check_gather', 'check_online_s
 import torch
 from functools import partial
 from ..exercise import exercise_check, expect
-from ...model.model import causal_attention
+from ...model.model import ContiguousKVCache, ContiguousStep, causal_attention
 from ...engine import block_manager
-from ...engine.attention import TorchAttention, paged_decode_flash
-from ...engine.backend import TorchBackend
-from ...engine.registry import register
-from ...engine.scheduler import KVManager
-from ..teaching import tiny_model, engine_outputs, first_difference
+from mini_infer.engine.attention import (
+    TorchAttention, gather_blocks, online_softmax_update, paged_decode_flash,
+)
+from ...engine.kv_cache import PagedKVCache
+from ..teaching import tiny_model, generate_paged
 
 LENGTHS = (5, 17, 30, 9, 23, 12)
 PROMPTS = [[(7 * i + 3 * j) % 200 + 5 for j in range(n)] for i, n in enumerate(LENGTHS)]
 
 
-def _tables_agree(engine, step: int):
-    """After an engine step: every running sequence holds the blocks its tokens need, and no block
-    leaked."""
-    alloc, S, held = engine.kv.allocator, engine.config.block_size, set()
-    for seq in engine.scheduler.running:
-        t = seq.block_table
-        expect(len(t.blocks) == -(-t.num_tokens // S),
-               f"after step {step}, request {seq.request_id} holds {len(t.blocks)} blocks for "
-               f"{t.num_tokens} tokens of {S}-token blocks: it needs ceil({t.num_tokens} / {S}) = "
-               f"{-(-t.num_tokens // S)}")
-        held |= set(t.blocks)
-    expect(alloc.num_used == len(held), f"after step {step}, {alloc.num_used - len(held)} block(s) "
-           "leaked: taken from the pool but in no running sequence's table")
+def _generate(model, backend=None, table=block_manager.BlockTable) -> list[list[int]]:
+    """16 greedy tokens for each of `PROMPTS` through `generate_paged`: 4-token blocks, prompts fed
+    in chunks of 16, attention by `backend`, block tables of class `table`."""
+    cache = PagedKVCache(model.config, 64, 4, model.device, model.dtype, backend)
+    return generate_paged(model, PROMPTS, 16, chunk_size=16, cache=cache, table=table)
+
+
+@torch.inference_mode()
+def _first_difference(model, ref, got, near_tie: float = 1e-3) -> str | None:
+    """Where the greedy tokens `got` first leave `ref` (`_generate`'s), in words; None where they
+    agree, up to a near-tie: the two tokens within `near_tie` in logprob, where float sums in
+    another order may pick either (scored through chapter 1's contiguous cache)."""
+    for n, (prompt, r, g) in enumerate(zip(PROMPTS, ref, got, strict=True)):
+        i = next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), None)
+        if i is None:
+            continue
+        ids = torch.tensor(prompt + r[:i], device=model.device)
+        cache = ContiguousKVCache(model.config, len(ids), model.device, model.dtype)
+        logp = model(ContiguousStep.tokens(ids, 0), cache)[-1].log_softmax(-1)
+        if abs(float(logp[r[i]] - logp[g[i]])) >= near_tie:
+            return (f"request {n}: its token {i} is {g[i]} where chapter 2's own code gives {r[i]} "
+                    f"(the first {i} agree)")
+    return None
+
+
+def _compare(what: str, ref: dict, yours: dict) -> int:
+    """Greedy tokens through the paged cache with the learner's piece (`yours`: `_generate`'s
+    arguments) against chapter 2's own (`ref`), on a tiny model; the number of tokens compared."""
+    model = tiny_model()
+    want, got = _generate(model, **ref), _generate(model, **yours)
+    diff = _first_difference(model, want, got)
+    expect(diff is None, f"through the paged cache with your {what}, {diff}")
+    return sum(map(len, want))
 
 
 def _probe_append(append):
@@ -52,38 +72,39 @@ def _probe_append(append):
     t.free(alloc)
 
 
-class _Learners(KVManager):
-    "Chapter 3's plain KV manager, growing block tables with the learner's `append`."
+def _checked_tables(append):
+    """A block-table class whose `append` is the learner's, checked after every call: the table
+    holds the blocks its tokens need, and no block leaked from the pool."""
+    made, calls = [], [0]  # every table of the run; the calls so far
 
-    append = None  # the learner's function, set by the check
+    class Learners(block_manager.BlockTable):
+        def __init__(self, block_size: int):
+            super().__init__(block_size)
+            made.append(self)
 
-    def allocate_slots(self, seq, num_tokens: int, num_lookahead: int = 0):
-        new = seq.num_computed_tokens + num_tokens + num_lookahead - seq.block_table.num_tokens
-        return num_tokens if type(self).append(seq.block_table, new, self.allocator) else None
+        def append(self, n_new: int, allocator) -> bool:
+            ok, S = append(self, n_new, allocator), self.block_size
+            calls[0] += 1
+            need, held = -(-self.num_tokens // S), {b for t in made for b in t.blocks}
+            expect(len(self.blocks) == need, f"after {calls[0]} calls of your append, a table "
+                   f"holds {len(self.blocks)} blocks for {self.num_tokens} tokens of {S}-token "
+                   f"blocks: it needs ceil({self.num_tokens} / {S}) = {need}")
+            expect(allocator.num_used == len(held), f"after {calls[0]} calls of your append, "
+                   f"{allocator.num_used - len(held)} block(s) leaked: taken from the pool but in "
+                   "no table")
+            return ok
 
-
-def _run_in_engine(what: str, **engine_kwargs):
-    """The engine's own greedy tokens against the same engine with the learner's code, on a tiny
-    model."""
-    model = tiny_model()
-    common = dict(block_size=4, max_num_batched_tokens=32, max_prefill_chunk=16)
-    ref = engine_outputs(model, PROMPTS, 16, **common, num_blocks=24)
-    got = engine_outputs(model, PROMPTS, 16, **common, num_blocks=24, **engine_kwargs)
-    diff = first_difference(ref, got)
-    expect(diff is None, f"in the engine with your {what}, {diff}")
-    return ref
+    return Learners
 
 
 @exercise_check
 def check_append(append):
     """Exercise 2.1: `append(table, n_new, allocator)` grows a block table, all or nothing; the
-    check runs the engine with it (a pool small enough that requests are preempted)."""
+    check then generates through the paged cache with it (`generate_paged`)."""
     _probe_append(append)
-    _Learners.append = staticmethod(append)
-    register("kv_manager", "exercise_2_1")(_Learners)
-    ref = _run_in_engine("append", kv_manager="exercise_2_1", after_step=_tables_agree)
-    return (f"the engine ran {len(PROMPTS)} requests through a 24-block pool with your append: "
-            f"the same {sum(len(r.token_ids) for r in ref)} greedy tokens, no block leaked")
+    n = _compare("append", {}, dict(table=_checked_tables(append)))
+    return (f"{len(PROMPTS)} requests generated through the paged cache with your append: the "
+            f"same {n} greedy tokens, no block leaked")
 
 
 def _probe_gather(gather):
@@ -113,24 +134,13 @@ def _decode_by_row(gather):
     return decode
 
 
-def _plug_attention(name: str, decode):
-    "Register a compute backend: PyTorch, whose decode rows go through `decode`."
-    class Exercise(TorchBackend):
-        priority = -1  # never the one `auto` picks
-
-        def attention(self):
-            return TorchAttention(decode)
-    register("backend", name)(Exercise)
-
-
 @exercise_check
 def check_gather(gather):
     """Exercise 2.2: `gather(pool, blocks, n)`, the first `n` tokens a sequence keeps in `blocks`
-    of one layer's pool; the check runs the engine's decode attention with it."""
+    of one layer's pool; the check runs the paged cache's decode attention with it."""
     _probe_gather(gather)
-    _plug_attention("exercise_2_2", _decode_by_row(gather))
-    ref = _run_in_engine("gather", backend="exercise_2_2")
-    n = sum(len(r.token_ids) for r in ref)
+    n = _compare("gather", dict(backend=TorchAttention(_decode_by_row(gather_blocks))),
+                 dict(backend=TorchAttention(_decode_by_row(gather))))
     return f"every decode row gathered by your function: the same {n} greedy tokens"
 
 
@@ -157,9 +167,9 @@ def _probe_update(update):
 @exercise_check
 def check_online_softmax(update):
     """Exercise 2.3: `update(m, l, acc, s, v)`, one chunk of the online softmax; the check runs the
-    engine's decode attention (the `flash` path) with it."""
+    paged cache's decode attention (the `flash` path) with it."""
     _probe_update(update)
-    _plug_attention("exercise_2_3", partial(paged_decode_flash, update=update, blocks_per_chunk=1))
-    ref = _run_in_engine("online softmax", backend="exercise_2_3")
-    n = sum(len(r.token_ids) for r in ref)
-    return f"the engine's flash decode with your update: the same {n} greedy tokens"
+    flash = lambda f: TorchAttention(partial(paged_decode_flash, update=f, blocks_per_chunk=1))
+    n = _compare("online softmax", dict(backend=flash(online_softmax_update)),
+                 dict(backend=flash(update)))
+    return f"the flash decode with your update: the same {n} greedy tokens"

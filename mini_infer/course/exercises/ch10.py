@@ -11,7 +11,7 @@ from functools import partial
 import torch
 from ..exercise import exercise_check, expect, close_enough
 from ..harness import registered
-from .ch01 import smollm2
+from .ch01b import smollm2
 from ...plugins.grammars import StructuredOutputsParams, xgrammar_tokenizer
 from ...plugins.structured import GrammarConstraints, apply_token_bitmask, pack_ids
 
