@@ -294,7 +294,9 @@ def test_int8_kv_engine_on_the_kernel_equals_the_dequantizing_path():
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * len(prompts)
     outs = []
     for backend in ("cpu", "torch"):
-        eng = LLMEngine(model, NoText(), num_blocks=64, block_size=4, kv_cache_dtype="int8", backend=backend)
+        # float32 prompts on both: the torch backend has no bf16 prompt rows (chapter 7)
+        eng = LLMEngine(model, NoText(), num_blocks=64, block_size=4, kv_cache_dtype="int8", backend=backend,
+                        prefill_dtype="float32")
         assert eng.cache.backend.kernel == (backend == "cpu")
         outs.append([o.token_ids for o in run_to_completion(eng, prompts, params)])
     assert outs[0] == outs[1]

@@ -152,10 +152,10 @@ def test_recordings_share_one_activation_area_counted_by_the_memory_plan():
     from mini_infer.engine.memory_plan import plan_memory
     model = tiny_model()
     torch.manual_seed(4)
-    prompts = [torch.randint(0, 151, (n,)).tolist() for n in range(3, 23)]
+    prompts = [torch.randint(0, 151, (n,)).tolist() for n in range(3, 23)] * 2
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * len(prompts)
     eng = LLMEngine(model, NoText(), num_blocks=200, block_size=4)
-    for n in (1, 2, 5, 20): run_to_completion(eng, prompts[:n], params[:n])     # steps of several sizes
+    for n in (1, 2, 5, 20, 40): run_to_completion(eng, prompts[:n], params[:n])     # decode steps of several sizes
     area, graphs = eng.runner.model.area, [g for g in eng.runner.model.graphs.values() if g is not None]
     assert area.nbytes > 0 and eng.memory.safety_bytes == area.nbytes and len(graphs) > 3
     base = area.buffer.untyped_storage().data_ptr()

@@ -221,7 +221,9 @@ def plan(self: Int8KVAttention, step: StepInputs, block_size: int):
     this step reads, where its new tokens land in their dequantized copy, and the step as
     `inner` sees it: block tables renumbered into that copy."""
     if self.kernel and max(step.query_lens) <= SHORT_ROW:
-        return self.inner.plan(step, block_size)  # no prompt chunk
+        plan = self.inner.plan(step, block_size)
+        if len(plan.prefill_seqs) == 0:  # every token one query at a time (none of a prompt)
+            return plan
     used, local = step.block_tables.unique(return_inverse=True)
     S = block_size
     slots = torch.searchsorted(used, step.slot_mapping // S) * S + step.slot_mapping % S
