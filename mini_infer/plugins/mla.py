@@ -1,4 +1,6 @@
-"""Cache one small latent per token instead of K and V for every head, and fold the up-projections into the query and the output: DeepSeek-V2/V3's multi-head latent attention, checked against transformers and run by the engine.
+"""Cache one small latent per token instead of K and V for every head, and fold the
+up-projections into the query and the output: DeepSeek-V2/V3's multi-head latent attention,
+checked against transformers and run by the engine.
 
 Docs: https://mini-infer.github.io/mini-infer/latent_attention.html.md"""
 

@@ -5,7 +5,7 @@ __all__ = ['LENGTHS', 'PROMPTS', 'tiny_mla_model', 'check_latent_bytes', 'check_
 
 # %% ../../../nbs/02b_latent_attention.ipynb #b2b00040
 import torch
-from ..exercise import exercise_check, expect
+from ..exercise import Wrong, exercise_check, expect
 from ..teaching import engine_outputs, first_difference
 from ...model.model import CausalLM
 from mini_infer.plugins.mla import (
@@ -76,7 +76,7 @@ def _why(got, args) -> str:
     r, R = w_uk.shape[-1], q_pe.shape[-1]
     slips = {"the scale is that of the original q.k width, 1 / sqrt(qk_nope_head_dim + "
              "qk_rope_head_dim), not of the absorbed query": (*args[:6], (r + R) ** -0.5),
-             "the RoPE parts count too: q_pe . k_pe joins the scores": (q_pe * 0, *args[1:]),
+             "the RoPE parts count too: q_pe . k_pe joins the scores": (q_nope, q_pe * 0, *args[2:]),
              "mask out what a row must not see": (*args[:3], torch.ones_like(mask), *args[4:])}
     for why, wrong in slips.items():
         if torch.allclose(got, naive_attention(*wrong), atol=1e-4):
@@ -93,8 +93,9 @@ def check_absorbed(attend):
         got, want, args = _probe(attend, shapes, 0)
         expect(tuple(got.shape) == tuple(want.shape), f"for {what}, your output has shape "
                f"{tuple(got.shape)}, expected [g, t, H, v_head_dim] = {tuple(want.shape)}")
-        expect(torch.allclose(got, want, atol=1e-4), f"for {what}, your output is off by "
-               f"{(got - want).abs().max():.3g} from the naive form: {_why(got, args)}")
+        if not torch.allclose(got, want, atol=1e-4):  # the message only then: it runs the slips
+            raise Wrong(f"for {what}, your output is off by {(got - want).abs().max():.3g} from "
+                        f"the naive form: {_why(got, args)}")
     model = tiny_mla_model()
     set_attention(model, naive_attention)
     ref = engine_outputs(model, PROMPTS, 16, block_size=4)
