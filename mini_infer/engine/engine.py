@@ -124,9 +124,7 @@ class LLMEngine:
         self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None, **kwargs
     ):
         self.model, self.tokenizer = model, tokenizer
-        self.family = model_family(model.config.architecture)  # None: chapter 1's decoders
-        cfg = config or EngineConfig(**kwargs)
-        self.config = cfg = self.family.engine_config(cfg) if self.family else cfg
+        self.config = cfg = self._family_config(config or EngineConfig(**kwargs))
         self.backend = load_backend(cfg.backend, model.device, model.dtype)
         run_step = self._prepare(model, cfg.quantization)  # what runs one step of the model
         self.cache = self._make_cache(run_step)  # the KV pool, sized by the memory plan
@@ -196,6 +194,14 @@ def model_family(arch: str):
     """The model family a plug-in registers for architecture `arch` (chapter 2b's latent
     attention: its cache, the options it runs under), or None for chapter 1's decoders."""
     return None if arch in SUPPORTED_ARCHITECTURES else lookup("model", arch, "architecture")()
+
+
+@patch
+def _family_config(self: LLMEngine, config: EngineConfig) -> EngineConfig:
+    """`self.family`: the model's family (None: chapter 1's decoders); the options it runs under
+    (all of them, for chapter 1's)."""
+    self.family = model_family(self.model.config.architecture)
+    return self.family.engine_config(config) if self.family else config
 
 
 @patch
