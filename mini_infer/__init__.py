@@ -21,6 +21,9 @@ Modules:
 - `mini_infer.model.model`: Build a Qwen2.5 / Llama decoder in plain PyTorch over layers that own
   their weights: the config, RMSNorm, RoPE, grouped-query attention through a KV-cache interface,
   SwiGLU, and a forward over packed tokens.
+- `mini_infer.plugins.mla`: Cache one small latent per token instead of K and V for every head, and
+  fold the up-projections into the query and the output: DeepSeek-V2/V3's multi-head latent
+  attention, checked against transformers and run by the engine.
 - `mini_infer.plugins.prefix_cache`: Chats, agents and RAG send the same system prompt and history
   again and again. This chapter lets a request reuse the KV blocks an earlier request computed for
   the same tokens: full blocks keyed by a chain of hashes, shared with reference counts, kept after

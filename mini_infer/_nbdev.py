@@ -28,7 +28,7 @@ over them, the tokenizer, and loading from safetensors or GGUF. Knows nothing of
     "engine": """The engine (chapters 1c-3): sampling, the paged KV cache, its memory plan and
 attention, the scheduler, the model runner, `LLMEngine` and `LLM`. `contracts` writes down every
 plug-in kind and the step's plain data; `registry` finds plug-ins by name.""",
-    "plugins": """Plug-ins (chapters 4-10): each implements a contract of `engine.contracts` and
+    "plugins": """Plug-ins (chapters 2b, 4-10): each implements a contract of `engine.contracts` and
 registers under a name; the engine finds them through `engine.registry`, never imports them.""",
     "plugins.cpu": """Chapter 7's C kernels for CPUs: the build driver, packed matmuls, paged
 attention, steps recorded and replayed from C, and the `cpu` compute backend.""",

@@ -59,6 +59,13 @@ def test_attention_formats(name):
     assert isinstance(lookup("attention", name)(TorchAttention()), contracts.AttentionBackend)
 
 
+@pytest.mark.parametrize("name", names("model"))
+def test_model_families(name):
+    family = lookup("model", name)()
+    assert isinstance(family, contracts.ModelFamily), name
+    assert hasattr(family.config_class, "from_dict") and family.config_class.__doc__
+
+
 @pytest.mark.parametrize("name", names("constraints"))
 def test_constraints(name):
     pytest.importorskip("xgrammar")

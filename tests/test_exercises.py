@@ -662,6 +662,67 @@ def test_02_online_softmax():
     assert check_online_softmax(stub).ok is None
 
 
+# ---- chapter 02b ----
+
+def test_02b_latent_bytes():
+    import torch
+    from mini_infer.course.exercises.ch02b import check_latent_bytes
+    assert check_latent_bytes(solution("02b_latent_attention.ipynb", "Exercise 2b.1", torch=torch)["latent_bytes"]).ok is True
+    from mini_infer.plugins.mla import latent_bytes_per_token
+    assert check_latent_bytes(latent_bytes_per_token).ok is True                       # a correct variant: ours
+    kv_twice = check_latent_bytes(lambda cfg, dtype: 2 * latent_bytes_per_token(cfg, dtype))   # K and V, as GQA
+    assert kv_twice.ok is False and "not a K and a V" in kv_twice.message
+    no_rope = check_latent_bytes(lambda cfg, dtype: cfg.num_hidden_layers * cfg.kv_lora_rank * dtype.itemsize)
+    assert no_rope.ok is False and "RoPE part" in no_rope.message
+
+    def stub(cfg, dtype):
+        raise NotImplementedError
+    assert check_latent_bytes(stub).ok is None
+
+
+def test_02b_absorbed():
+    import torch
+    from mini_infer.course.exercises.ch02b import check_absorbed
+    from mini_infer.plugins.mla import absorbed_attention
+    ns = solution("02b_latent_attention.ipynb", "Exercise 2b.2", torch=torch)
+    assert check_absorbed(ns["absorbed"]).ok is True
+    assert check_absorbed(absorbed_attention).ok is True                                 # a correct variant: ours
+
+    def scaled_by_latent(q_nope, q_pe, latents, mask, w_uk, w_uv, scale):             # 1/sqrt(r + R): the absorbed width
+        return absorbed_attention(q_nope, q_pe, latents, mask, w_uk, w_uv, latents.shape[-1] ** -0.5)
+    wrong = check_absorbed(scaled_by_latent)
+    assert wrong.ok is False and "qk_nope_head_dim + qk_rope_head_dim" in wrong.message
+
+    def no_rope(q_nope, q_pe, latents, mask, w_uk, w_uv, scale):                       # forgets q_pe . k_pe
+        return absorbed_attention(q_nope, q_pe * 0, latents, mask, w_uk, w_uv, scale)
+    wrong = check_absorbed(no_rope)
+    assert wrong.ok is False and "RoPE parts" in wrong.message
+
+    def stub(q_nope, q_pe, latents, mask, w_uk, w_uv, scale):
+        raise NotImplementedError
+    assert check_absorbed(stub).ok is None
+
+
+def test_02b_fold_output():
+    import torch
+    from mini_infer.course.exercises.ch02b import check_fold_output
+    assert check_fold_output(solution("02b_latent_attention.ipynb", "Exercise 2b.3", torch=torch)["fold"]).ok is True
+
+    def by_loop(w_uv, w_o):                                                            # a correct variant: head by head
+        H, v, r = w_uv.shape
+        return torch.cat([w_o[:, h * v:(h + 1) * v] @ w_uv[h] for h in range(H)], 1)
+    assert check_fold_output(by_loop).ok is True
+    heads_last = check_fold_output(lambda w_uv, w_o: torch.einsum("ohv,hvr->orh", w_o.view(-1, *w_uv.shape[:2]),
+                                                                  w_uv).reshape(w_o.shape[0], -1))   # [r, H] order
+    assert heads_last.ok is False and "head h's columns" in heads_last.message
+    shape = check_fold_output(lambda w_uv, w_o: w_o)                                     # nothing folded
+    assert shape.ok is False and "shape" in shape.message
+
+    def stub(w_uv, w_o):
+        raise NotImplementedError
+    assert check_fold_output(stub).ok is None
+
+
 # ---- chapter 03 ----
 
 def test_03_policy_in_the_engine():

@@ -43,7 +43,14 @@ def imports(p: Path) -> set[str]:
     return {m for m in found if m.startswith("mini_infer.") and module_file(m)}
 
 
+# chapter 0's contracts and registry: what plug-ins meet the engine by; every layer may use them (the
+# loader finds a model family by name, chapter 2b)
+FOUNDATION = {"mini_infer.engine.contracts", "mini_infer.engine.registry"}
+
+
 def layer(mod: str) -> str | None:
+    if mod in FOUNDATION:
+        return None
     parts = mod.split(".")
     return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
 

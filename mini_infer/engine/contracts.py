@@ -7,7 +7,7 @@ Docs: https://mini-infer.github.io/mini-infer/contracts.html.md"""
 # %% auto #0
 __all__ = ['NewRequest', 'ScheduledRequest', 'SchedulerOutput', 'RunnerOutput', 'StepOutput', 'LinearMethod',
            'AttentionBackend', 'ComputeBackend', 'KVManager', 'Policy', 'Proposer', 'Constraints',
-           'Engine', 'EngineDead']
+           'Engine', 'EngineDead', 'ModelFamily']
 
 # %% ../../nbs/00_contracts.ipynb #49794b6e
 from collections import deque
@@ -270,3 +270,21 @@ class Engine(Protocol):
 class EngineDead(RuntimeError):
     """An engine error after which it cannot step again (a process it runs on is gone): the
     server fails what is in flight and answers 503 from then on."""
+
+# %% ../../nbs/00_contracts.ipynb #b2a1e0f2
+@runtime_checkable
+class ModelFamily(Protocol):
+    """A decoder family chapter 1 does not build, registered under its Hugging Face architecture
+    name (chapter 2b): its config, its paged cache, the engine options it runs under."""
+
+    config_class: type  # a `ModelConfig` whose `attention_class` the decoder layers build
+
+    def token_bytes(self, cfg, dtype) -> int:
+        "Bytes of one token's cache, all layers: what the memory plan sizes the pool by."
+
+    def kv_cache(self, cfg, num_blocks: int, block_size: int, device, dtype, backend):
+        "Its paged cache, made from `PagedKVCache`'s arguments: `make_step` and what its layers call."
+
+    def engine_config(self, config):
+        """The engine options it runs under: `config`, 'auto' choices narrowed to what runs it;
+        ValueError naming an option it cannot run."""

@@ -8,8 +8,8 @@ import warnings
 from importlib.metadata import entry_points
 from typing import Any
 from mini_infer.engine.contracts import (
-    AttentionBackend, ComputeBackend, Constraints, Engine, KVManager, LinearMethod, Policy,
-    Proposer,
+    AttentionBackend, ComputeBackend, Constraints, Engine, KVManager, LinearMethod, ModelFamily,
+    Policy, Proposer,
 )
 
 KINDS = {
@@ -21,6 +21,7 @@ KINDS = {
     "proposer": Proposer,
     "constraints": Constraints,
     "executor": Engine,
+    "model": ModelFamily,
 }
 ENTRY_POINTS = "mini_infer.plugins"
 _plugins: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}

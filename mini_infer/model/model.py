@@ -314,12 +314,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    "Pre-norm attention and MLP blocks, each with a residual connection."
+    "Pre-norm attention (the config's `attention_class`, if it names one) and MLP, with residuals."
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, shard: Shard = WHOLE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, shard)
+        self.self_attn = getattr(cfg, "attention_class", Attention)(cfg, layer_idx, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, shard)
         self.ops = TORCH_OPS
@@ -427,7 +427,7 @@ def load_weights(self: CausalLM, weights) -> set[str]:
     for name, tensor in weights:
         if "rotary_emb" in name:
             continue
-        target, shard_id = hf_to_local(name, tied)
+        target, shard_id = (name, None) if name in params else hf_to_local(name, tied)
         if target not in params:
             raise KeyError(f"unexpected tensor {name!r} for {self.config.architecture}")
         module = self.get_submodule(target.rpartition(".")[0])
