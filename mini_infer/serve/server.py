@@ -87,7 +87,10 @@ def serve(
         f"{'required' if api_key else 'off'})",
         flush=True,
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:  # its lifespan has stopped the engine thread; now the engine (chapter 9: its workers)
+        llm.close()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
