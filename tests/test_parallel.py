@@ -462,9 +462,9 @@ json.dump(dict(tokens=[o.token_ids for o in res], steps=steps), open(out, "w"))
 """
 
 
-def torchrun(tmp_path, model, dp: int, prompts, max_tokens: int) -> dict:
+def torchrun(tmp_path, model, dp: int, prompts, max_tokens: int, launch: str = "the launch") -> dict:
     """`TORCHRUN_SCRIPT` launched by `torchrun --standalone` in 1 + dp processes (TP = 2, DP = dp): its
-    tokens and each replica's steps. Asserts the launch exited 0."""
+    tokens and each replica's steps. Asserts that `launch` exited 0."""
     import json, subprocess, sys
     script, out = tmp_path / "tp_script.py", tmp_path / "tokens.json"
     script.write_text(TORCHRUN_SCRIPT)
@@ -472,7 +472,7 @@ def torchrun(tmp_path, model, dp: int, prompts, max_tokens: int) -> dict:
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(1 + dp),
                         str(script), model, json.dumps(prompts), str(out), str(dp), str(max_tokens)],
                        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, f"exit code {r.returncode}\n" + r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode == 0, f"{launch}: exit code {r.returncode}\n" + r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(out.read_text())
 
 
@@ -498,8 +498,8 @@ def test_torchrun_dp_tp_launches_exit_cleanly(tiny_qwen, tmp_path):
     ref = [o.token_ids for o in generate(tiny_qwen, prompts, SamplingParams(max_tokens=n, temperature=0),
                                          kv_cache_memory_gb=0.05)]
     for i in range(TORCHRUN_LAUNCHES):
-        res = torchrun(tmp_path, tiny_qwen, 2, prompts, n)
-        assert res["tokens"] == ref and len(res["steps"]) == 2 and all(res["steps"]), (i, res)
+        res = torchrun(tmp_path, tiny_qwen, 2, prompts, n, launch=f"launch {i + 1} of {TORCHRUN_LAUNCHES}")
+        assert res["tokens"] == ref and len(res["steps"]) == 2 and all(res["steps"]), (i + 1, res)
 
 
 def test_server_answers_503_after_a_worker_dies(tiny_qwen):
