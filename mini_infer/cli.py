@@ -11,7 +11,7 @@ __all__ = ['cmd_doctor', 'cmd_repomap', 'cmd_generate', 'stream_chat', 'cmd_chat
            'cmd_serve', 'cmd_grade', 'build_parser', 'main']
 
 # %% ../nbs/90_cli.ipynb #89f8c08d
-import argparse, json, math, os, sys
+import argparse, atexit, json, math, os, sys
 from pathlib import Path
 
 # %% ../nbs/90_cli.ipynb #026dc4a5
@@ -60,7 +60,9 @@ def _save_json(a, result):
 def _llm(a, **engine_kwargs):
     from mini_infer.engine.llm import LLM
 
-    return LLM(a.model, **_serving_options(a), **engine_kwargs)
+    llm = LLM(a.model, **_serving_options(a), **engine_kwargs)
+    atexit.register(llm.close)  # however the command ends: its workers stop while Python is whole
+    return llm
 
 
 def cmd_doctor(a):

@@ -11,7 +11,7 @@ Docs: https://mini-infer.github.io/mini-infer/server.html.md"""
 __all__ = ['serve', 'free_port', 'ServerThread', 'run_sync', 'OpenAIServer', 'build_app']
 
 # %% ../../nbs/06_server.ipynb #548d73d5
-import asyncio, concurrent.futures, hmac, os, socket, threading, time
+import asyncio, concurrent.futures, hmac, os, signal, socket, sys, threading, time
 
 # %% ../../nbs/06_server.ipynb #da8c75de
 import json
@@ -87,7 +87,13 @@ def serve(
         f"{'required' if api_key else 'off'})",
         flush=True,
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn stops gracefully on SIGTERM, then raises it again: exit (143) rather than die there
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:  # its lifespan has stopped the engine thread; now the engine (chapter 9: its workers)
+        llm.close()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -112,6 +112,7 @@ def stats(self: DataParallelEngine) -> dict:
 
 @patch
 def close(self: DataParallelEngine):
+    "Stop the replicas' threads, then the replicas (their shared workers once); idempotent."
     self.pool.shutdown()
     for e in self.replicas:
         e.close()

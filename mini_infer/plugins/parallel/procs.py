@@ -135,10 +135,13 @@ class WorkerProcs(list):
         return next((self.death(p) for p in self if p.exitcode is not None), None)
 
     def stop(self, timeout: float):
-        "Wait up to `timeout` seconds in all for the workers to exit, then kill the others."
+        """Wait up to `timeout` seconds in all for the workers to exit, then kill the others; then
+        let each stderr reader read its worker's last words and end."""
         deadline = time.monotonic() + timeout
         for p in self:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        for log in self.logs.values():
+            log.pump.join(5)

@@ -30,8 +30,13 @@ class DistShard(Shard):
     chapter 1's `Shard` become collectives. With `reduce`, the sum is `reduce(x, rank, size,
     send_recv)` over the ring of ranks instead of `dist.all_reduce` (exercise 9.4)."""
 
-    group: object = None  # the process group (None: the default one)
+    group_ref: object = None  # a weak reference to the process group (None: the default group)
     reduce: object = None
+
+    @property
+    def group(self):
+        "The process group (None: the default one)."
+        return None if self.group_ref is None else self.group_ref()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         "The sum of `x` over the ranks, in place."

@@ -8,11 +8,10 @@ import inspect, linecache, os, shutil, tempfile, textwrap
 from contextlib import contextmanager
 from dataclasses import replace
 import torch
-import torch.distributed as dist
 from ...engine.engine import LLMEngine, EngineConfig
 from .ranks import load_rank
-from .world import broadcast, init_rank, launched_rank, rank_device
-from .world import STARTUP_TIMEOUT, tp_groups
+from .world import broadcast, init_rank, launched_rank, leave_world
+from .world import rank_device, STARTUP_TIMEOUT, tp_groups
 from .procs import WorkerDied, WorkerProcs
 
 # %% ../../../nbs/09_scaling_out.ipynb #72cc5232
@@ -55,7 +54,7 @@ def worker_main(rank, started, groups, init_method, model, device, dtype, config
         while (plan := broadcast(None, control)) is not None:
             run_step(cache.make_step(*plan), cache)
     finally:
-        dist.destroy_process_group()
+        leave_world()
 
 # %% ../../../nbs/09_scaling_out.ipynb #98bb5f90
 def rendezvous(groups: list[list[int]], *args) -> tuple[str, str | None, WorkerProcs]:
@@ -105,12 +104,15 @@ class Workers:
 
     def send(self, plan, group: int = 0):
         "Broadcast one step's rows and prompt counts (None: stop) to the workers of group `group`."
+        if self.closed:
+            raise WorkerDied("the tensor-parallel workers have been stopped (close)")
         self.procs.check()
         broadcast(plan, self.groups[group][1])
 
     def close(self, timeout: float = 10.0, force: bool = False):
         """Stop the workers (politely if all are alive and not `force`d, a worker mid-step cannot
-        listen; then by force), leave the world, remove the rendezvous file."""
+        listen; then by force) and their stderr readers, leave the world (its threads joined),
+        remove the rendezvous file. Idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -122,8 +124,7 @@ class Workers:
             except Exception:
                 polite = False
         self.procs.stop(timeout if polite else 0)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_world()
         if self.tmp:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
