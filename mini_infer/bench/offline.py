@@ -119,7 +119,8 @@ def measure_machine(
     """The machine's sustained peaks, each the best of `reps` timed runs after two warm-up runs,
     with torch's threads as they are set (the engine's): matmul GFLOP/s, the faster of an n×n @ n×n
     product in `dtype` and, where given, `linear` (one of the engine's layers, through its own
-    method) over n rows; memory read GB/s, summing `read_mb` MB."""
+    method) over n rows, and on a CPU in float32 also bf16's (`prompt_gflops`: the faster);
+    memory read GB/s, summing `read_mb` MB."""
     device = torch.device(device or "cpu")
     a, b = (
         torch.randn(n, n, device=device, dtype=dtype),
@@ -139,7 +140,10 @@ def measure_machine(
             ts.append(time.perf_counter() - t)
         return min(ts)
 
-    gemm = dict(torch=2 * n**3 / best(lambda: a @ b) / 1e9)
+    gemm, bf16 = dict(torch=2 * n**3 / best(lambda: a @ b) / 1e9), 0.0
+    if device.type == "cpu" and dtype == torch.float32:  # bf16 products, where prompts may run
+        ab, bb = a.bfloat16(), b.bfloat16()
+        bf16 = 2 * n**3 / best(lambda: ab @ bb) / 1e9
     if linear is not None:
         rows = torch.randn(n, linear.in_features, device=device, dtype=dtype)
         flops = 2 * n * linear.in_features * linear.out_features
@@ -149,6 +153,8 @@ def measure_machine(
         dtype=str(dtype).replace("torch.", ""),
         matmul_gflops=max(gemm.values()),
         gemm_gflops=gemm,
+        # the best a prompt's products could do here: float32's, or bf16's (chapter 7)
+        prompt_gflops=max(*gemm.values(), bf16),
         read_gb_s=x.numel() * 4 / best(x.sum) / 1e9,
     )
 
