@@ -15,7 +15,7 @@ __all__ = ['SUPPORTED_ARCHITECTURES', 'TORCH_OPS', 'FUSED', 'hf_config_kwargs', 
 
 # %% ../../nbs/01_model.ipynb #49913f75
 import json, math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 # %% ../../nbs/01_model.ipynb #51fe4251
@@ -205,7 +205,7 @@ class ForwardStep:
     input_ids: torch.Tensor
     positions: torch.Tensor
     logits_indices: torch.Tensor | None = None
-    prompt_counts: list[int] | None = None  # each row's tokens in its prompt (for chapter 7)
+    prompt_counts: list[int] | None = field(default=None, kw_only=True)  # in its prompt (ch. 7)
 
 
 @dataclass
@@ -220,7 +220,7 @@ class ContiguousStep(ForwardStep):
         `last_only=False`)."""
         positions = torch.arange(start, start + len(ids), device=ids.device)
         last = torch.tensor([len(ids) - 1], device=ids.device) if last_only else None
-        return cls(ids, positions, last, start=start)
+        return cls(ids, positions, last, start)
 
 
 class KVCache:
