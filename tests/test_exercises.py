@@ -903,8 +903,7 @@ def test_04_match():
         S = kv.block_size
         return _walk(kv, seq, seq.num_computed_tokens // S, (seq.num_tokens - 1) // S, last(seq), take=True)
     wrong = check_match(takes_them)
-    assert wrong.ok is False and "1 block(s) leaked" in wrong.message
-    assert "after 36 calls" in wrong.message   # the 40th call, after the probe's 4
+    assert wrong.ok is False and "leaked" in wrong.message and "after step" in wrong.message
 
     def stub(kv, seq):
         raise NotImplementedError

@@ -290,7 +290,7 @@ def test_the_draft_rolls_its_cache_back_exactly(llm, workload, tiny_draft, draft
         return propose(seqs, ks)
     def recording(run_step, cache, sampler, rows, params, gens):
         seq_of = {st["table"]: s for s, st in prop.state.items()}
-        for tokens, start, table in rows:
+        for tokens, start, table, _ in rows:
             held, seq = cached.setdefault(table, []), seq_of[table]
             if first[0]:
                 final = seq.token_slice(0, seq.num_tokens)

@@ -91,7 +91,7 @@ class MemoryPlan:
             (
                 "safety buffer",
                 _fmt(self.safety_bytes),
-                "activations, allocator slack" if self.safety_bytes else "none (fixed-size pool)",
+                "activations, weight copies, allocator slack" if self.safety_bytes else "none (fixed-size pool)",
             ),
         ]
         if self.total_bytes:

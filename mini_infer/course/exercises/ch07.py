@@ -130,7 +130,7 @@ def tile_engine_run(library, prompts, n_tokens: int = 12):
     model, tok = _smollm2()
     engine = LLMEngine(model, tok, backend="cpu", kv_cache_memory_gb=0.05)
     for layer in model.linear_layers():  # the method the backend set, on `library`
-        layer.set_method(PackedMethod(layer.method.bf16, library))
+        layer.set_method(PackedMethod(layer.method.prompt, library))
     params = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
     outs = [o.token_ids for o in run_to_completion(engine, prompts, [params] * len(prompts))]
     return outs, decode_latency(engine, prompts[0], 16) * 1e3

@@ -182,6 +182,7 @@ class CPUBackend:
 
     priority = 10  # before PyTorch wherever it runs
     replay_limits = None
+    prompt_paths = {}  # {layer: the path of its prompt rows}, for the layers that have one
 
     @staticmethod
     def available(device, dtype) -> bool:
@@ -202,6 +203,7 @@ class CPUBackend:
         chosen, said = choose_prompt_paths(packed, prefill_dtype(config))
         for layer, path in chosen.items():
             layer.method.prompt = path
+        self.prompt_paths = {layer: path for layer, path in chosen.items() if path}
         if prefill_dtype(config) != "float32":
             say_once(said)
         model.set_ops(KernelOps())
@@ -216,5 +218,9 @@ class CPUBackend:
         return ScratchAttention()
 
     def reserve(self, run_step, attention, block_size: int) -> int:
-        "Replayed steps share one activation area, made now; its bytes (none for eager steps)."
-        return run_step.reserve(attention, block_size) if isinstance(run_step, StepGraphs) else 0
+        """Made now, held across steps: the prompt paths' bf16 copies of the weights, and the one
+        activation area that replayed steps share (none for eager steps); their bytes."""
+        copies = sum(path.held_bytes(layer) for layer, path in self.prompt_paths.items())
+        if isinstance(run_step, StepGraphs):
+            return copies + run_step.reserve(attention, block_size)
+        return copies

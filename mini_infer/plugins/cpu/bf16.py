@@ -154,8 +154,9 @@ def pack_bf16(packed: torch.Tensor) -> torch.Tensor:
     """Float32 panels [P, K, W] (`pack_weight`'s or `pack_glu`'s) as bf16 pairs [P, ceil(K / 2),
     W, 2]: a column's weights for k = 2i and 2i + 1 side by side, rounded to nearest even."""
     P, K, W = packed.shape
-    pairs = F.pad(packed.detach(), (0, 0, 0, K % 2)).view(P, -1, 2, W).transpose(2, 3)
-    return pairs.to(torch.bfloat16).contiguous()
+    rounded = packed.detach().to(torch.bfloat16)  # rounded first: no float32 copy of the weight
+    pairs = F.pad(rounded, (0, 0, 0, K % 2)).view(P, -1, 2, W).transpose(2, 3)
+    return pairs.contiguous()
 
 
 def linear_bf16(x, panels, out_features, bias=None, glu=False):

@@ -98,8 +98,16 @@ class Bf16Tile:
     def available() -> bool:
         return bf16_kernels() is not None
 
+    def copy(self, layer: LinearBase) -> torch.Tensor:
+        "The layer's weight as bf16 panels, made when first asked for."
+        return layer_copy(layer, "bf16_panels", lambda l: pack_bf16(l.weight))
+
+    def held_bytes(self, layer: LinearBase) -> int:
+        "Make the copy now; its bytes."
+        return self.copy(layer).nbytes
+
     def __call__(self, layer: LinearBase, x: torch.Tensor, kind: str):
-        panels = layer_copy(layer, "bf16_panels", lambda l: pack_bf16(l.weight))
+        panels = self.copy(layer)
         if kind == "glu":
             return linear_bf16(x, panels, layer.output_sizes[0], glu=True)
         return linear_bf16(x, panels, _outputs(layer, kind), layer.bias)
@@ -118,7 +126,7 @@ class Bf16OneDNN:
 
     def __call__(self, layer: LinearBase, x: torch.Tensor, kind: str):
         glu = kind == "glu"
-        w, b = layer_copy(layer, "bf16_dense", self._dense)
+        w, b = self.copy(layer)
         M = len(x)
         xb = F.pad(x, (0, 0, 0, max(self.min_rows - M, 0))).to(torch.bfloat16)
         y = F.linear(xb, w)[:M].float()
@@ -128,6 +136,15 @@ class Bf16OneDNN:
             gate, up = y.chunk(2, -1)
             return F.silu(gate, inplace=True).mul_(up)
         return list(y.split(layer.output_sizes, -1)) if kind == "split" else y
+
+    def copy(self, layer: LinearBase) -> tuple:
+        """The layer's weight in bf16, [out, in] as F.linear takes it, and its float32 bias, made
+        when first asked for."""
+        return layer_copy(layer, "bf16_dense", self._dense)
+
+    def held_bytes(self, layer: LinearBase) -> int:
+        "Make the copy now; its bytes."
+        return sum(t.nbytes for t in self.copy(layer) if t is not None)
 
     @staticmethod
     def _dense(layer):
