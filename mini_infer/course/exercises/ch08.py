@@ -62,7 +62,7 @@ def check_int8_floor(predicted_ms, qmodel, read_bytes_per_s: float):
 
 def teacher_forced_logits(m, seqs: list[list[int]], attention=None) -> torch.Tensor:
     """Next-token logits after each token of each sequence: one packed forward over a paged pool
-    whose K/V format is `attention`'s."""
+    whose K/V format is `attention`'s, every token a prompt token (as the engine would run it)."""
     blocks = sum(-(-len(ids) // 16) for ids in seqs)
     cache = PagedKVCache(m.config, blocks, 16, m.device, m.dtype, attention)
     allocator, rows = BlockAllocator(cache.num_blocks), []
@@ -71,7 +71,7 @@ def teacher_forced_logits(m, seqs: list[list[int]], attention=None) -> torch.Ten
         table.append(len(ids), allocator)
         rows.append((ids, 0, table.blocks, len(ids)))
     with torch.inference_mode():
-        return m(cache.make_step(rows), cache).float()
+        return m(cache.make_step(rows, [len(ids) for ids in seqs]), cache).float()
 
 
 def next_token_logp(m, seqs: list[list[int]], attention=None) -> torch.Tensor:
