@@ -26,16 +26,6 @@ class FileOutline:
     exports: list[str]
     symbols: list[tuple[str, str]] = field(default_factory=list)  # (name, signature line)
 
-
-def _signature(node, prefix: str = "") -> str:
-    "One line: `def name(args) -> returns` or `class Name(bases)`, as written (typed)."
-    if isinstance(node, ast.ClassDef):
-        bases = ", ".join(ast.unparse(b) for b in node.bases)
-        return f"{prefix}class {node.name}" + (f"({bases})" if bases else "")
-    ret = f" -> {ast.unparse(node.returns)}" if node.returns else ""
-    kw = "async def" if isinstance(node, ast.AsyncFunctionDef) else "def"
-    return f"{prefix}{kw} {node.name}({ast.unparse(node.args)}){ret}"
-
 # %% ../nbs/10b_repomap.ipynb #09cc8e10
 def outline_file(path: Path, root: Path) -> FileOutline:
     "The outline of one Python file (raises SyntaxError if it does not parse)."
@@ -162,3 +152,14 @@ def stream_answer(engine, prompt_ids: list[int], params, show=print) -> tuple[fl
                 if o.text_delta and show:
                     show(o.text_delta)
     return first, text, seq.output()
+
+# %% ../nbs/10b_repomap.ipynb #2e130e68
+def _signature(node, prefix: str = "") -> str:
+    "One line: `def name(args) -> returns` or `class Name(bases)`, as written (typed)."
+    if isinstance(node, ast.ClassDef):
+        bases = ", ".join(ast.unparse(b) for b in node.bases)
+        return f"{prefix}class {node.name}" + (f"({bases})" if bases else "")
+    ret = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+    kw = "async def" if isinstance(node, ast.AsyncFunctionDef) else "def"
+    return f"{prefix}{kw} {node.name}({ast.unparse(node.args)}){ret}"
+

@@ -28,6 +28,7 @@ from ..engine.sampling import SamplingParams
 from ..engine.memory_plan import count_parameters
 from ..engine.engine import LLMEngine
 from ..engine.llm import LLM, run_to_completion
+from ..model.loader import quiet_hub_import
 from .static_batching import generate_static
 
 # %% ../../nbs/03_continuous_batching.ipynb #9b8277a7
@@ -59,6 +60,7 @@ def make_workload(
 def to_transformers(model: CausalLM):
     """A transformers `LlamaForCausalLM` / `Qwen2ForCausalLM` holding a copy of `model`'s
     weights, in eval mode."""
+    quiet_hub_import()
     import transformers
 
     c = model.config

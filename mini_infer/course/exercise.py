@@ -28,6 +28,9 @@ class Verdict:
         mark = {True: "✅ correct", False: "❌ not yet", None: "⏳ not attempted yet"}[self.ok]
         return f"{mark}: {self.message}" if self.message else mark
 
+    def _ipython_display_(self):
+        "Nothing: the check has printed its line already (a cell ending in a check shows it once)."
+
 
 def expect(condition, message: str):
     "Inside a check: unless `condition` holds, the answer is wrong for the reason `message` gives."

@@ -172,7 +172,7 @@ class LLMEngine:
         # 2. one packed forward, then sampling (also with nothing to run: the runner forgets
         # finished requests)
         result = self.runner.execute(plan)
-        new = self.scheduler.update(plan, result)  # 3. the only code that changes a sequence
+        new = self.scheduler.update(plan, result)  # 3. the only code that records a step's results
         if plan.scheduled:
             self.counters["generation_tokens_total"] += sum(len(o.new_token_ids) for o in new)
             self.counters["steps_total"] += 1

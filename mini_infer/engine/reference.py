@@ -20,7 +20,7 @@ def generate(
     sampler: Sampler | None = None,
 ) -> list[RequestOutput]:
     """Generate a completion for each prompt (text or token ids), one request at a time: the
-    reference of every faster path. `sampler`: chapter 1's `Sampler()` unless given."""
+    reference of every faster path. `sampler`: this chapter's `Sampler()` unless given."""
     prompts = as_prompt_list(prompts)
     pairs = zip(prompts, as_params_list(params, len(prompts)))
     return [

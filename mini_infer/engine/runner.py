@@ -33,7 +33,7 @@ class RequestState:
 
 
 class NextTokenSampler:
-    """One token for each row that wanted logits (each wants one): chapter 1's `Sampler`. Chapter
+    """One token for each row that wanted logits (each wants one): chapter 1c's `Sampler`. Chapter
     5 puts a sampler here that also verifies guesses."""
 
     def __init__(self):
@@ -46,7 +46,7 @@ class NextTokenSampler:
 
 # %% ../../nbs/03_continuous_batching.ipynb #a7c1d031
 class SamplingBatches:
-    """The rows' sampling parameters as tensors (chapter 1's `SamplingBatch`): the last step's
+    """The rows' sampling parameters as tensors (chapter 1c's `SamplingBatch`): the last step's
     again while the same requests run, without penalties."""
 
     def __init__(self, requests: dict, device):

@@ -36,7 +36,7 @@ class SeqStatus(enum.Enum):
 
 @dataclass
 class EngineRequestOutput(RequestOutput):
-    """Chapter 1's `RequestOutput`, and the prompt tokens whose K/V the engine found already
+    """Chapter 1c's `RequestOutput`, and the prompt tokens whose K/V the engine found already
     computed (chapter 4)."""
 
     num_cached_tokens: int = 0
@@ -54,7 +54,7 @@ def slice_parts(parts, start: int, n: int) -> list:
 
 # %% ../../nbs/03_continuous_batching.ipynb #f03b0010
 class Sequence(Request):
-    """One request inside the engine: chapter 1's `Request`, plus its place in the KV cache and
+    """One request inside the engine: chapter 1c's `Request`, plus its place in the KV cache and
     its scheduling state."""
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -226,8 +226,8 @@ def fcfs(waiting: deque, kv: KVManager) -> deque:
 # %% ../../nbs/03_continuous_batching.ipynb #b242088d
 class Scheduler:
     """Continuous batching with chunked prefill and preemption by recompute. `schedule` plans a
-    step; `update`, once the runner has run it, is the only code that changes a sequence after a
-    step. Holds the requests: waiting (in order), running (oldest first), new to the runner,
+    step; `update`, once the runner has run it, is the only code that records the step's results in
+    a sequence. Holds the requests: waiting (in order), running (oldest first), new to the runner,
     finished."""
 
     def __init__(

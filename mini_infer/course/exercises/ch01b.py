@@ -8,8 +8,8 @@ Docs: https://mini-infer.github.io/mini-infer/weights_and_tokens.html.md"""
 
 # %% auto #0
 __all__ = ['PROMPTS', 'N_GREEDY', 'CONVERSATIONS', 'smollm2', 'greedy_ids', 'greedy_tokens', 'engine_greedy',
-           'first_divergence', 'check_chatml', 'check_gguf_bytes', 'q8_0_mistake', 'check_q8_0',
-           'LearnerOps', 'rms_norm_mistake', 'check_rms_norm']
+           'first_divergence', 'check_chatml', 'check_gguf_bytes', 'LearnerOps', 'rms_norm_mistake',
+           'check_rms_norm', 'q8_0_mistake', 'check_q8_0']
 
 # %% ../../../nbs/01b_weights_and_tokens.ipynb #dd631eab
 import functools
@@ -112,53 +112,6 @@ def check_gguf_bytes(prediction, reader):
     return (f"{actual:,} bytes: {8 * actual / n:.2f} bits per weight, {4 * n / actual:.1f}x "
             "smaller than float32")
 
-# %% ../../../nbs/01b_weights_and_tokens.ipynb #35e600ec
-def q8_0_mistake(got: np.ndarray, blocks: np.ndarray, want: np.ndarray) -> str | None:
-    "What a decoding `got` of Q8_0 `blocks` [n, 34] gets wrong against gguf's `want`, in words."
-    if got.shape != want.shape:
-        return (f"{blocks.shape[0]} blocks of 34 bytes give [{blocks.shape[0]}, 32] weights; "
-                f"yours gave {list(got.shape)}")
-    if np.allclose(got, want, rtol=1e-6, atol=0):
-        return None
-    scale = blocks[:, :2].view(np.float16).astype(np.float32)
-    guesses = [
-        (scale * blocks[:, 2:].astype(np.float32), "the 32 integers are signed: view their bytes "
-         "as int8, not uint8"),
-        (blocks[:, 2:].view(np.int8).astype(np.float32), "the integers are multiplied by the "
-         "block's scale, the float16 in its first 2 bytes"),
-        (want / scale, "multiply by the scale: yours divides"),
-    ]
-    why = next((why for guess, why in guesses if np.allclose(got, guess, rtol=1e-4)), None)
-    return why or (f"block 0: yours {np.round(got[0, :4], 4).tolist()}..., gguf's "
-                   f"{np.round(want[0, :4], 4).tolist()}...")
-
-
-@exercise_check
-def check_q8_0(dequant_q8_0, reader):
-    "Exercise 1.6: Q8_0 decoded by hand, loaded into SmolLM2 as its embedding table."
-    t = next(t for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q8_0)
-    row = t.data[:1].reshape(-1, 34)  # the first row of the table: 18 blocks
-    gguf_row = gguf.quants.dequantize(t.data[:1], t.tensor_type).reshape(-1, 32)
-    yours = np.asarray(dequant_q8_0(row.copy()), dtype=np.float32)  # a stub stops here
-    mistake = q8_0_mistake(yours, row, gguf_row)
-    expect(yours.shape == gguf_row.shape, mistake)
-    table = np.asarray(dequant_q8_0(t.data.reshape(-1, 34)), dtype=np.float32)
-    table = torch.from_numpy(table.reshape([int(n) for n in reversed(t.shape)]))
-    model, tok = smollm2()
-    want, name = engine_greedy(), "model.embed_tokens.weight"
-    engines = model.lm_head.weight.detach().clone()
-    try:
-        model.load_weights([(name, table)])  # tied: the LM head's table, both ends of the model
-        got = greedy_tokens(model, tok)
-    finally:
-        model.load_weights([(name, engines)])
-    diverged = first_divergence(PROMPTS, want, got, tok, "gguf's table")
-    said = [f"with your table in SmolLM2, {diverged}" if diverged else None,
-            mistake and f"{t.name}, row 0: {mistake}"]
-    expect(diverged is None and mistake is None, "; ".join(s for s in said if s))
-    return (f"your {table.shape[0]:,} x {table.shape[1]} table in SmolLM2, as embedding and LM "
-            "head: the same greedy tokens as gguf's")
-
 # %% ../../../nbs/01b_weights_and_tokens.ipynb #e1a40001
 class LearnerOps(TorchOps):
     "The engine's ops, with the learner's `rms_norm` (for `CausalLM.set_ops`)."
@@ -223,3 +176,50 @@ def check_rms_norm(rms_norm):
     expect(diverged is None and mistake is None, "; ".join(s for s in said if s))
     norms = sum(isinstance(m, RMSNorm) for m in model.modules())
     return f"SmolLM2 with your RMSNorm in its {norms} norms: the same {len(PROMPTS) * N_GREEDY} greedy tokens"
+
+# %% ../../../nbs/01b_weights_and_tokens.ipynb #35e600ec
+def q8_0_mistake(got: np.ndarray, blocks: np.ndarray, want: np.ndarray) -> str | None:
+    "What a decoding `got` of Q8_0 `blocks` [n, 34] gets wrong against gguf's `want`, in words."
+    if got.shape != want.shape:
+        return (f"{blocks.shape[0]} blocks of 34 bytes give [{blocks.shape[0]}, 32] weights; "
+                f"yours gave {list(got.shape)}")
+    if np.allclose(got, want, rtol=1e-6, atol=0):
+        return None
+    scale = blocks[:, :2].view(np.float16).astype(np.float32)
+    guesses = [
+        (scale * blocks[:, 2:].astype(np.float32), "the 32 integers are signed: view their bytes "
+         "as int8, not uint8"),
+        (blocks[:, 2:].view(np.int8).astype(np.float32), "the integers are multiplied by the "
+         "block's scale, the float16 in its first 2 bytes"),
+        (want / scale, "multiply by the scale: yours divides"),
+    ]
+    why = next((why for guess, why in guesses if np.allclose(got, guess, rtol=1e-4)), None)
+    return why or (f"block 0: yours {np.round(got[0, :4], 4).tolist()}..., gguf's "
+                   f"{np.round(want[0, :4], 4).tolist()}...")
+
+
+@exercise_check
+def check_q8_0(dequant_q8_0, reader):
+    "Exercise 1.6: Q8_0 decoded by hand, loaded into SmolLM2 as its embedding table."
+    t = next(t for t in reader.tensors if t.tensor_type == gguf.GGMLQuantizationType.Q8_0)
+    row = t.data[:1].reshape(-1, 34)  # the first row of the table: 18 blocks
+    gguf_row = gguf.quants.dequantize(t.data[:1], t.tensor_type).reshape(-1, 32)
+    yours = np.asarray(dequant_q8_0(row.copy()), dtype=np.float32)  # a stub stops here
+    mistake = q8_0_mistake(yours, row, gguf_row)
+    expect(yours.shape == gguf_row.shape, mistake)
+    table = np.asarray(dequant_q8_0(t.data.reshape(-1, 34)), dtype=np.float32)
+    table = torch.from_numpy(table.reshape([int(n) for n in reversed(t.shape)]))
+    model, tok = smollm2()
+    want, name = engine_greedy(), "model.embed_tokens.weight"
+    engines = model.lm_head.weight.detach().clone()
+    try:
+        model.load_weights([(name, table)])  # tied: the LM head's table, both ends of the model
+        got = greedy_tokens(model, tok)
+    finally:
+        model.load_weights([(name, engines)])
+    diverged = first_divergence(PROMPTS, want, got, tok, "gguf's table")
+    said = [f"with your table in SmolLM2, {diverged}" if diverged else None,
+            mistake and f"{t.name}, row 0: {mistake}"]
+    expect(diverged is None and mistake is None, "; ".join(s for s in said if s))
+    return (f"your {table.shape[0]:,} x {table.shape[1]} table in SmolLM2, as embedding and LM "
+            "head: the same greedy tokens as gguf's")

@@ -291,7 +291,7 @@ def int8_attention_kernels() -> KernelLibrary | None:
 
 
 def paged_decode_int8(q, k_pool, v_pool, out, tok, block_tables, context_lens):
-    """Chapter 7's `paged_decode_kernel` for float32 `q` [T, Hq, D] and `out` over int8 pools
+    """Chapter 7b's `paged_decode_kernel` for float32 `q` [T, Hq, D] and `out` over int8 pools
     [blocks, B, Hkv, D + 4] (`quantize_kv` rows): the same results as over the dequantized pools."""
     lib = int8_attention_kernels()
     (_, Hq, D), (_, B, Hkv, row) = q.shape, k_pool.shape
