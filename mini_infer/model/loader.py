@@ -18,6 +18,7 @@ from safetensors import safe_open
 from mini_infer.model.model import (
     ModelConfig, CausalLM, RotaryEmbedding, SUPPORTED_ARCHITECTURES, hf_config_kwargs,
 )
+from .families import DECODERS  # chapter 1's decoders and their variations
 from ..engine.registry import lookup  # chapter 0: model families plug in by name (2b)
 from .tokenizer import Tokenizer, gguf_field, build_bpe_tokenizer
 from .layers import Shard, WHOLE
@@ -115,14 +116,14 @@ def shard_tensors(files: list[Path], handles: list, bar, shard: Shard = WHOLE):
 
 # %% ../../nbs/01b_weights_and_tokens.ipynb #c0f1a7e1
 def config_from_json(path) -> ModelConfig:
-    """The config in a checkpoint's `config.json`: a `ModelConfig`, or for an architecture chapter
-    1 does not build, the config class of the model family a plug-in registers under its name
+    """The config in a checkpoint's `config.json`: the config class `DECODERS` lists for chapter
+    1's decoders (`Qwen3Config` for Qwen3), or for an architecture they do not cover, the one of the model family a plug-in registers under its name
     (chapter 2b's latent attention); an unknown architecture raises ValueError naming the known."""
     d = json.loads(Path(path).read_text())
     arch = hf_config_kwargs(d, set())["architecture"]
-    if arch in SUPPORTED_ARCHITECTURES:
-        return ModelConfig.from_dict(d)
-    return lookup("model", arch, "architecture", SUPPORTED_ARCHITECTURES).config_class.from_dict(d)
+    if arch in DECODERS:
+        return DECODERS[arch].from_dict(d)
+    return lookup("model", arch, "architecture", tuple(DECODERS)).config_class.from_dict(d)
 
 # %% ../../nbs/01b_weights_and_tokens.ipynb #508e000c
 def load_safetensors(
