@@ -2,13 +2,13 @@
 shapes (2 layers, a 4096-token vocabulary): every layer's output and the logits of a folder `save_pretrained`
 wrote, loaded as `LLM(path)` loads it; the whole engine's greedy tokens on 8 prompts against `generate`, in a
 batch of 16 with prefix caching and n-gram speculation, and one request at a time in plain PyTorch."""
-import json, shutil
+import json
 import pytest
 import torch
 transformers = pytest.importorskip("transformers")
 from mini_infer import LLM, SamplingParams
 from mini_infer.model.families import QKNormAttention, Qwen3Config
-from mini_infer.model.loader import bundled_gguf_path, gguf_cache_dir, load_model, load_safetensors
+from mini_infer.model.loader import load_safetensors
 from mini_infer.model.model import Attention, ContiguousKVCache, ContiguousStep, ModelConfig, rope_frequencies
 
 VOCAB = 4096
@@ -26,11 +26,38 @@ FAMILIES = {  # the real configs (Qwen/Qwen3-0.6B, meta-llama/Llama-3.2-1B), lay
 }
 
 
+# each family's special tokens (ids 0.. in this order), its BOS and its turn-ending tokens (generation_config's)
+SPECIALS = {
+    "qwen3": (["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>"],
+              None, ["<|im_end|>", "<|endoftext|>"]),
+    "llama3.2": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                  "<|eom_id|>", "<|python_tag|>"], "<|begin_of_text|>", ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"]),
+}
+
+
+def write_tokenizer(family: str, folder):
+    "A small byte-level BPE with the family's special tokens, as the family's tokenizer files spell them."
+    from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
+    specials, bos, eos = SPECIALS[family]
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["What is the weather in Oslo today? The capital of France is Paris.", '{"name": "get_weather", '
+              '"arguments": {"city": "Oslo"}}', "You may call one or more functions to assist with the user query."]
+    tok.train_from_iterator(corpus * 20, trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "eos_token": eos[0]}))
+    return [specials.index(t) for t in eos]
+
+
 def tiny_hf(family: str, scale: float = 2.0):
     "Random weights in the family's real layer shape, two layers, scaled up for decisive argmaxes."
     cfg_cls, model_cls, kw = FAMILIES[family]
+    specials, bos, eos = SPECIALS[family]
     torch.manual_seed(0)
-    hf = model_cls(cfg_cls(vocab_size=VOCAB, num_hidden_layers=2, bos_token_id=1, eos_token_id=2, **kw)).eval()
+    hf = model_cls(cfg_cls(vocab_size=VOCAB, num_hidden_layers=2, bos_token_id=bos and specials.index(bos),
+                           eos_token_id=[specials.index(t) for t in eos], **kw)).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.mul_(scale)
@@ -39,14 +66,11 @@ def tiny_hf(family: str, scale: float = 2.0):
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory):
-    "A folder as `save_pretrained` writes it, with the bundled SmolLM2's tokenizer files; and transformers' model."
-    load_model("smollm2-135m")                          # converts the GGUF once, tokenizer files included
+    "A folder as `save_pretrained` writes it, with the family's tokenizer files; and transformers' model."
     out = tmp_path_factory.mktemp(request.param)
     hf = tiny_hf(request.param)
     hf.save_pretrained(out)
-    for f in gguf_cache_dir(bundled_gguf_path()).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, out / f.name)
+    write_tokenizer(request.param, out)
     return request.param, out, hf
 
 
@@ -115,3 +139,60 @@ def test_engine_greedy_equals_transformers(checkpoint):
     with LLM(str(folder), device="cpu", dtype=torch.float32, block_size=4, max_num_seqs=1, max_model_len=128,
              enable_prefix_caching=False, backend="torch") as llm:
         assert [o.token_ids for o in llm.generate(prompts, params)] == want
+
+
+# ---- served: each family's chat template (excerpts of the real ones: the parts that matter here), its arguments,
+# and the tool-call parser the template asks for ----
+
+QWEN3_TEMPLATE = (  # Qwen3's: tools in <tools></tools>, calls as hermes <tool_call> JSON; `enable_thinking`
+    "{%- if tools %}<|im_start|>system\n# Tools\n\nYou may call one or more functions to assist with the user query."
+    "\n\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\nFor each function call, return "
+    "a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n{%- endif %}'
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}{%- endif %}")
+LLAMA32_TEMPLATE = (  # Llama 3.2's: JSON calls with "parameters", <|python_tag|>, turns ended by <|eot_id|>
+    "{{- bos_token }}{%- if tools %}<|start_header_id|>user<|end_header_id|>\n\nGiven the following functions, "
+    "please respond with a JSON for a function call with its proper arguments that best answers the given prompt."
+    '\n\nRespond in the format {"name": function name, "parameters": dictionary of argument name and its value}.'
+    "{% for t in tools %}\n\n{{ t | tojson }}{% endfor %}<|eot_id|>{%- endif %}"
+    "{%- for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+    "{%- endfor %}{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}")
+TEMPLATES = {"qwen3": (QWEN3_TEMPLATE, "hermes"), "llama3.2": (LLAMA32_TEMPLATE, "llama3_json")}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Oslo", "Paris"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+
+
+def test_served_with_its_template_and_tool_parser(checkpoint):
+    "The template's arguments (`enable_thinking`) reach it; a required call is read by the family's parser."
+    from openai import OpenAI
+    from mini_infer.plugins.tool_parsers import parser_for_template
+    from mini_infer.serve.server import ServerThread, build_app
+    family, folder, _ = checkpoint
+    template, parser = TEMPLATES[family]
+    assert parser_for_template(template) == parser
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
+    with LLM(str(folder), device="cpu", dtype=torch.float32, block_size=4, max_model_len=512) as llm:
+        assert llm.tokenizer.chat_template == template
+        stops = [llm.tokenizer.token_to_id(t) for t in SPECIALS[family][2]]
+        assert set(stops) <= set(llm.tokenizer.eos_token_ids)          # every turn-ending token stops
+        srv = ServerThread(build_app(llm, family))
+        try:
+            c = OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+            msgs = [{"role": "user", "content": "Weather in Oslo?"}]
+            ask = lambda **kw: c.chat.completions.create(model=family, messages=msgs, max_tokens=1, extra_body={
+                "return_token_ids": True, **kw}).model_extra["prompt_token_ids"]
+            text = lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=False)
+            if family == "qwen3":
+                assert "<think>\n\n</think>" in text(ask(chat_template_kwargs={"enable_thinking": False}))
+                assert "<think>" not in text(ask())
+            r = c.chat.completions.create(model=family, messages=msgs, tools=[WEATHER], tool_choice="required",
+                                          max_tokens=100, temperature=0)
+            call = r.choices[0].message.tool_calls[0]
+            assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Oslo", "Paris")
+            assert r.choices[0].finish_reason == "tool_calls"
+        finally:
+            srv.stop()
