@@ -155,7 +155,9 @@ def load_safetensors(
     return model.eval()
 
 # %% ../../nbs/01b_weights_and_tokens.ipynb #7e2d5761
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+}
 GGUF_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -165,6 +167,8 @@ GGUF_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's q/k norm
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -285,7 +289,7 @@ def convert_gguf(path, out_dir) -> Path:
     path, out_dir = Path(path), Path(out_dir)
     reader = open_gguf(path)
     cfg = gguf_config(reader)
-    ModelConfig.from_dict(cfg)  # fail early on anything our model cannot run
+    DECODERS[cfg["architectures"][0]].from_dict(cfg)  # fail early on what our model cannot run
     tok = Tokenizer.from_gguf(reader)
     tmp = out_dir.with_name(f"{out_dir.name}.tmp{os.getpid()}")
     try:
