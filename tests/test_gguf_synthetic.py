@@ -1,4 +1,4 @@
-"""Tiny GGUF files written here (random weights in every supported tensor type, a qwen2 or llama architecture, a
+"""Tiny GGUF files written here (random weights in every supported tensor type, a qwen2, llama or qwen3 architecture, a
 byte-level BPE tokenizer with the `qwen2` pre-tokenizer), loaded by our loader and by transformers' GGUF loading."""
 import numpy as np
 import pytest
@@ -50,7 +50,8 @@ def write_gguf(path, arch, tied, seed=0):
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS); w.add_context_length(128); w.add_embedding_length(H); w.add_feed_forward_length(I)
     w.add_head_count(HEADS); w.add_head_count_kv(KV); w.add_layer_norm_rms_eps(1e-6); w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(H // HEADS)
+    D = 128 if arch == "qwen3" else H // HEADS   # Qwen3's head_dim is given (heads x head_dim != hidden)
+    w.add_rope_dimension_count(D); w.add_key_length(D); w.add_value_length(D)
     w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("qwen2"); w.add_token_list(toks); w.add_token_types(types)
     w.add_token_merges(list(dict.fromkeys(MERGES))); w.add_bos_token_id(len(toks) - 3); w.add_eos_token_id(len(toks) - 1)
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -61,11 +62,14 @@ def write_gguf(path, arch, tied, seed=0):
         w.add_tensor(name, data, raw_dtype=raw)
     add("token_embd.weight", (V, H), TYPES["token_embd"])
     for l in range(LAYERS):
-        dims = {"attn_q": (H, H), "attn_k": (KV * H // HEADS, H), "attn_v": (KV * H // HEADS, H), "attn_output": (H, H),
+        dims = {"attn_q": (HEADS * D, H), "attn_k": (KV * D, H), "attn_v": (KV * D, H), "attn_output": (H, HEADS * D),
                 "ffn_gate": (I, H), "ffn_up": (I, H), "ffn_down": (H, I)}
         for n, shape in dims.items(): add(f"blk.{l}.{n}.weight", shape, TYPES[n][l])
         if arch == "qwen2":
             for n in ("attn_q", "attn_k", "attn_v"): add(f"blk.{l}.{n}.bias", (dims[n][0],), T.F32)
+        if arch == "qwen3":  # an RMSNorm gain over each head's query and key
+            for n in ("attn_q_norm", "attn_k_norm"):
+                w.add_tensor(f"blk.{l}.{n}.weight", (1 + 0.3 * rng.standard_normal(D)).astype(np.float32))
         for n in ("attn_norm", "ffn_norm"): w.add_tensor(f"blk.{l}.{n}.weight", (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
     w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
     if not tied: add("output.weight", (V, H), TYPES["output"])
@@ -78,11 +82,13 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MINI_INFER_CACHE", str(tmp_path / "cache"))
 
 
-@pytest.mark.parametrize("arch,tied", [("qwen2", False), ("llama", True)])
+@pytest.mark.parametrize("arch,tied", [("qwen2", False), ("llama", True), ("qwen3", True)])
 def test_synthetic_gguf_matches_transformers(tmp_path, arch, tied):
     path = write_gguf(tmp_path / f"tiny-{arch}.gguf", arch, tied)
     ours, tok = load_model(str(path), device="cpu")
     assert ours.config.attention_bias == (arch == "qwen2") and ours.config.tie_word_embeddings == tied
+    assert ours.config.architecture == {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                                        "qwen3": "Qwen3ForCausalLM"}[arch]
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     for text in TEXTS:

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field, replace
 from fastcore.basics import patch
 
 # %% ../../nbs/03_continuous_batching.ipynb #c6d1ea74
-from ..model.model import CausalLM, SUPPORTED_ARCHITECTURES
+from ..model.model import CausalLM
+from ..model.families import DECODERS
 from ..model.tokenizer import Tokenizer
 from .sampling import SamplingParams, InvalidRequest
 from .outputs import encode_prompt
@@ -192,8 +193,9 @@ class LLMEngine:
 # %% ../../nbs/03_continuous_batching.ipynb #f03e0a01
 def model_family(arch: str):
     """The model family a plug-in registers for architecture `arch` (chapter 2b's latent
-    attention: its cache, the options it runs under), or None for chapter 1's decoders."""
-    return None if arch in SUPPORTED_ARCHITECTURES else lookup("model", arch, "architecture")()
+    attention: its cache, the options it runs under), or None for chapter 1's decoders
+    (`DECODERS`: Qwen2, Llama, Qwen3)."""
+    return None if arch in DECODERS else lookup("model", arch, "architecture")()
 
 
 @patch

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from mini_infer.model.model import (
     ModelConfig, CausalLM, RotaryEmbedding, SUPPORTED_ARCHITECTURES, hf_config_kwargs,
 )
+from .families import DECODERS  # chapter 1's decoders and their variations
 from ..engine.registry import lookup  # chapter 0: model families plug in by name (2b)
 from .tokenizer import Tokenizer, gguf_field, build_bpe_tokenizer
 from .layers import Shard, WHOLE
@@ -115,14 +116,14 @@ def shard_tensors(files: list[Path], handles: list, bar, shard: Shard = WHOLE):
 
 # %% ../../nbs/01b_weights_and_tokens.ipynb #c0f1a7e1
 def config_from_json(path) -> ModelConfig:
-    """The config in a checkpoint's `config.json`: a `ModelConfig`, or for an architecture chapter
-    1 does not build, the config class of the model family a plug-in registers under its name
+    """The config in a checkpoint's `config.json`: the config class `DECODERS` lists for chapter
+    1's decoders (`Qwen3Config` for Qwen3), or for an architecture they do not cover, the one of the model family a plug-in registers under its name
     (chapter 2b's latent attention); an unknown architecture raises ValueError naming the known."""
     d = json.loads(Path(path).read_text())
     arch = hf_config_kwargs(d, set())["architecture"]
-    if arch in SUPPORTED_ARCHITECTURES:
-        return ModelConfig.from_dict(d)
-    return lookup("model", arch, "architecture", SUPPORTED_ARCHITECTURES).config_class.from_dict(d)
+    if arch in DECODERS:
+        return DECODERS[arch].from_dict(d)
+    return lookup("model", arch, "architecture", tuple(DECODERS)).config_class.from_dict(d)
 
 # %% ../../nbs/01b_weights_and_tokens.ipynb #508e000c
 def load_safetensors(
@@ -154,7 +155,9 @@ def load_safetensors(
     return model.eval()
 
 # %% ../../nbs/01b_weights_and_tokens.ipynb #7e2d5761
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+}
 GGUF_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -164,6 +167,8 @@ GGUF_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's q/k norm
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -284,7 +289,7 @@ def convert_gguf(path, out_dir) -> Path:
     path, out_dir = Path(path), Path(out_dir)
     reader = open_gguf(path)
     cfg = gguf_config(reader)
-    ModelConfig.from_dict(cfg)  # fail early on anything our model cannot run
+    DECODERS[cfg["architectures"][0]].from_dict(cfg)  # fail early on what our model cannot run
     tok = Tokenizer.from_gguf(reader)
     tmp = out_dir.with_name(f"{out_dir.name}.tmp{os.getpid()}")
     try:
