@@ -462,7 +462,6 @@ SHARED = {
 
 # Give-aways in chapters this test's fixes do not reach yet: exercise -> why (each an xfail, strict: fixing one fails it).
 KNOWN = {
-    "Exercise 7.2": "07's setup cell computes the arithmetic intensity 2MNK / 4(NK + MK + MN) above the exercise",
 }
 
 
