@@ -126,7 +126,10 @@ def test_landing_page_search_and_screenshots(site, browser):
     assert [h for h in dict.fromkeys(nav) if h in chapters] == chapters     # the course's order
     notation = page.locator("table", has_text="in the code").first
     assert notation.locator("math").count() >= 20      # the notation table, its symbols as math
-    page.fill("input.md-search__input", "paged attention")
+    # Typed key by key, as a person types: Material reads the query on keyup, on focus and when its
+    # search worker is ready, never on `input`. `page.fill` sends only `input`, so its text was read
+    # only when the focus event happened to come after it (about one try in three here).
+    page.locator("input.md-search__input").press_sequentially("paged attention")
     page.wait_for_selector(".md-search-result__item", timeout=20_000)
     assert page.locator(".md-search-result__item").count() > 0
     page.keyboard.press("Escape")
