@@ -111,10 +111,11 @@ def _hit_rate(before: list[dict], after: list[dict]) -> float:
 
 
 def simulate_chat(engines, router, conversations: list[list[str]], params: SamplingParams,
-                  system: str, step_time=None) -> dict:
+                  system: str, step_time=None, think_time=None) -> dict:
     """Serve multi-turn `conversations` on `engines` (replicas) through `router`, each replica on
     its own clock of measured step times (or of `step_time(outputs)` seconds per step:
-    reproducible); prefix-cache hit rate over the prompts and TTFTs (seconds)."""
+    reproducible); a user sends the next turn `think_time()` seconds after the reply ends (at
+    once if None); prefix-cache hit rate over the prompts and TTFTs (seconds)."""
     tok, n = engines[0].tokenizer, len(conversations)
     messages = [[{"role": "system", "content": system}] for _ in conversations]
     turn, clock, inflight, ttft = [0] * n, [0.0] * len(engines), {}, []
@@ -146,5 +147,5 @@ def simulate_chat(engines, router, conversations: list[list[str]], params: Sampl
                 messages[c].append({"role": "assistant", "content": req["text"]})
                 turn[c] += 1
                 if turn[c] < len(conversations[c]):
-                    heapq.heappush(arrivals, (clock[i], c))
+                    heapq.heappush(arrivals, (clock[i] + (think_time() if think_time else 0.0), c))
     return dict(hit_rate=_hit_rate(before, [e.stats() for e in engines]), ttft=sorted(ttft))
