@@ -308,12 +308,14 @@ def run_bench_serve(
 
 # %% ../../nbs/06_server.ipynb #16eccae2
 def sweep(
-    rates, url: str = "http://127.0.0.1:8000", save_json: str | None = None, **kw
+    rates, url: str = "http://127.0.0.1:8000", save_json: str | None = None, seed: int = 0, **kw
 ) -> list[dict]:
-    "Run `run_bench_serve` at each request rate; the summaries make a latency-throughput curve."
+    """Run `run_bench_serve` at each request rate, each on its own prompts (seeds `seed`, `seed + 1`,
+    ...: no rate finds another's in the prefix cache); the summaries make a latency-throughput
+    curve."""
     out = []
-    for r in rates:
-        s = run_bench_serve(url, request_rate=r, quiet=True, **kw)
+    for i, r in enumerate(rates):
+        s = run_bench_serve(url, request_rate=r, quiet=True, seed=seed + i, **kw)
         print(
             f"rate {r:>6} req/s: {s['output_token_throughput']:7.1f} tok/s, TTFT p50 "
             f"{s['ttft_ms']['p50']:8.1f} ms, "
