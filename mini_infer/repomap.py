@@ -56,7 +56,7 @@ def outline_file(path: Path, root: Path) -> FileOutline:
 # %% ../nbs/10b_repomap.ipynb #7900b911
 def outline(root) -> tuple[list[FileOutline], Counter]:
     """Every .py file under `root` outlined (a file that does not parse is skipped with a
-    warning), and how often each name is used across the code base (the ranking's signal)."""
+    warning), and how many modules import each name (the ranking's signal)."""
     root = Path(root)
     files, uses = [], Counter()
     for path in sorted(root.rglob("*.py")):
@@ -66,19 +66,16 @@ def outline(root) -> tuple[list[FileOutline], Counter]:
         except SyntaxError as e:
             warnings.warn(f"repomap: skipped {path.relative_to(root)}: {e.msg} (line {e.lineno})")
             continue
-        for n in ast.walk(tree):
-            if isinstance(n, ast.Name):
-                uses[n.id] += 1
-            elif isinstance(n, ast.Attribute):
-                uses[n.attr] += 1
+        imports = (n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)))
+        uses.update({a.name.rpartition(".")[2] for n in imports for a in n.names})
     return files, uses
 
 # %% ../nbs/10b_repomap.ipynb #ad3eb140
 def rank(
     files: list[FileOutline], uses: Counter, export_bonus: float = 10
 ) -> list[tuple[float, str, int]]:
-    """The map's lines, most important first. A class or function scores by how often the code
-    base uses its name, plus `export_bonus` if its module exports it; a method follows its class
+    """The map's lines, most important first. A class or function scores by how many modules
+    import its name, plus `export_bonus` if its module exports it; a method follows its class
     (just below its score); a file's header (index -1) comes just above its best line. Returns
     (score, path, index of the symbol in its file)."""
     lines = []
@@ -122,7 +119,7 @@ def repo_map(root, max_tokens: int, count_tokens, export_bonus: float = 10) -> s
 
 # %% ../nbs/10b_repomap.ipynb #38da736d
 def model_tokenizer(name: str | None = None) -> Tokenizer:
-    "The tokenizer of model `name` (default: the bundled SmolLM2), without loading its weights."
+    "The tokenizer of model `name` (default: `resolve_model`'s choice), without loading its weights."
     path = resolve_model(name)
     return Tokenizer.from_gguf(str(path)) if path.suffix == ".gguf" else Tokenizer.from_dir(path)
 
