@@ -25,4 +25,6 @@ python tests/strip_notebooks.py nbs "$tmp"
 ( cd nbs && IN_TEST=1 pytest -p no:cacheprovider --nbval-lax -n 2 --dist loadfile --rootdir="$tmp" "$tmp" -q )
 
 echo "== pytest"
-pytest -n 2 --dist loadfile tests
+# a test that hangs (a deadlock, a child process that never answers) fails after 15 minutes, with its stack
+# printed, instead of stalling the run until CI's own limit
+pytest -n 2 --dist loadfile --timeout 900 tests
