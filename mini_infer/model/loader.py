@@ -416,7 +416,7 @@ def quiet_hub_import():
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TqdmWarning)
-        import huggingface_hub.utils  # noqa: F401  (imports tqdm.auto)
+        import tqdm.auto, huggingface_hub.utils  # noqa: F401  (transformers imports tqdm.auto)
 
 
 def _hub_snapshot(repo: str, local_only: bool) -> tuple[Path | None, str]:

@@ -8,11 +8,13 @@ import json, re
 from collections import OrderedDict
 from dataclasses import dataclass, fields
 from ..engine.sampling import InvalidRequest
+from ..model.loader import quiet_hub_import  # chapter 1b
 
 # %% ../../nbs/10_structured_outputs.ipynb #9505571a
 def xgrammar_tokenizer(tokenizer, vocab_size: int):
     """xgrammar's view of our `Tokenizer`: each id's token string, how the strings encode bytes
     (byte-level or byte-fallback, read from the tokenizer's JSON) and the stop tokens."""
+    quiet_hub_import()  # xgrammar imports transformers: its progress bars' warning, once, unsaid
     import xgrammar as xgr
 
     meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.tok.to_str())
@@ -87,6 +89,7 @@ class StructuredOutputsParams:
 # %% ../../nbs/10_structured_outputs.ipynb #cb5aea3c
 def json_grammar(schema: str, strict: bool = True) -> str:
     "EBNF for JSON that follows `schema` (a JSON string), without free whitespace."
+    quiet_hub_import()
     import xgrammar as xgr
 
     json.loads(schema)  # a JSON error names the position
@@ -126,6 +129,7 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = 256):
         try:
+            quiet_hub_import()
             import xgrammar as xgr
         except ImportError:  # an optional dependency (the `course` extra)
             raise InvalidRequest(

@@ -233,7 +233,8 @@ def choose_prompt_paths(layers: list[LinearBase], prefill_dtype: str) -> tuple[d
         raise ValueError(f"prefill_dtype {prefill_dtype!r}: choose from {', '.join(PREFILL_DTYPES)}")
     paths = {p.name: p() for p in PROMPT_PATHS if p.available()}
     if prefill_dtype == "float32" or not paths or not layers:
-        why = "as asked" if prefill_dtype == "float32" else "(no bf16 dot products on this CPU)"
+        why = ("as asked" if prefill_dtype == "float32" else "(no bf16 dot products on this CPU)"
+               if not paths else "(no float32 layer for them: int8 weights keep their own products)")
         return dict.fromkeys(layers), f"prompt rows in float32 {why}"
     speeds, chosen, said = tuned_speeds(layers), {}, {}
     for layer in layers:
