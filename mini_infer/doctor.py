@@ -128,7 +128,8 @@ def check_kernels() -> Check:
 # %% ../nbs/90_cli.ipynb #53b59202
 def check_prompts() -> Check:
     """The products prompt tokens take here by default (chapter 7's choice for SmolLM2's shapes,
-    measured once per machine and kept in the cache; delete the file to measure again)."""
+    and chapter 8's for them in int8; measured once per machine and kept in the cache; delete the
+    file to measure again)."""
     from mini_infer.plugins.cpu.linear import linear_kernels
 
     if os.environ.get("MINI_INFER_NO_KERNELS") or linear_kernels() is None:
@@ -145,7 +146,13 @@ def check_prompts() -> Check:
     for layer in layers:
         layer.set_method(PackedMethod())
     said = choose_prompt_paths(layers, "auto")[1]
-    return Check("prompts", OK, f"{said} (SmolLM2's shapes; {_tuning_file()})")
+    from mini_infer.plugins.quant import Int8Method, choose_int8_prompts
+
+    int8 = [m for m in DecoderLayer(smol, 0).modules() if isinstance(m, LinearBase)]
+    for layer in int8:
+        layer.set_method(Int8Method())
+    said8 = choose_int8_prompts(int8, "auto")[1]
+    return Check("prompts", OK, f"{said}; with int8 weights, {said8} (SmolLM2's shapes; {_tuning_file()})")
 
 # %% ../nbs/90_cli.ipynb #a6f775d8
 def check_model() -> Check:

@@ -176,7 +176,9 @@ def test_int8_engine_batched_equals_alone(backend, tied):
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(prompts)
     ref = [o.token_ids for o in generate(quantize_model(model), NoText(), prompts, params)]
     for kw in (dict(), dict(max_num_batched_tokens=16, max_prefill_chunk=8)):
-        eng = LLMEngine(model, NoText(), num_blocks=64, block_size=4, quantization="int8", backend=backend, **kw)
+        # float32 prompt activations: the products of chapter 1's loop (int8 ones: tests/test_int8_prompts.py)
+        eng = LLMEngine(model, NoText(), num_blocks=64, block_size=4, quantization="int8", backend=backend,
+                        prefill_dtype="float32", **kw)
         assert [o.token_ids for o in run_to_completion(eng, prompts, params)] == ref
 
 

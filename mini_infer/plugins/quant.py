@@ -6,7 +6,8 @@ Docs: https://mini-infer.github.io/mini-infer/quantization.html.md"""
 
 # %% auto #0
 __all__ = ['quantize_int8', 'dequantize_int8', 'panel_width', 'Int8Method', 'quantize_model', 'linear_int8',
-           'quantize_kv', 'dequantize_kv', 'Int8KVAttention', 'smooth_model']
+           'quantize_kv', 'dequantize_kv', 'Int8KVAttention', 'w8a8_reference', 'vnni_order',
+           'Int8Prompts', 'choose_int8_prompts', 'smooth_model']
 
 # %% ../../nbs/08_quantization.ipynb #e660d4de
 from dataclasses import replace
@@ -24,6 +25,8 @@ from .cpu.attention import SHORT_ROW, CPUAttention, KernelPlan
 from mini_infer.plugins.cpu.int8 import (
     int8_attention_kernels, int8_kernel_applies, int8_product, paged_decode_int8,
 )
+from .cpu.prompt import PAYS, TUNE_ROWS, _shape, by_rows, layer_copy, tuned_speeds
+from .cpu.int8 import w8a8_kernels
 from ..engine.registry import register
 
 
@@ -67,6 +70,7 @@ class Int8Method(LinearMethod):
     PyTorch over the weight dequantized."""
 
     float_weights = False
+    prompt = None  # the path of the step's prompt rows, where one is chosen (int8 activations, below)
 
     def __init__(self, group_size: int | None = 64, use_kernels: bool = True):
         self.group_size, self.use_kernels = group_size, use_kernels
@@ -119,19 +123,41 @@ def _whole_panels(self: Int8Method, layer: LinearBase, sizes: list[int]) -> bool
 
 
 @patch
+def product(self: Int8Method, layer: LinearBase, x: torch.Tensor, kind: str):
+    """The kernel's `kind` of product (chapter 7's `product_kind`: "one", "split" or "glu") for
+    every row of `x`, but the prompt rows of the step being run, which take the layer's `prompt`
+    path where it has one (int8 activations, at the end of this chapter)."""
+    mine = self.prompt and (lambda rows: self.prompt(layer, rows, kind))
+    return by_rows(x.contiguous(), mine, lambda rows: self._kernel_product(layer, rows, kind))
+
+
+@patch
+def _kernel_product(self: Int8Method, layer: LinearBase, x: torch.Tensor, kind: str):
+    """One kernel call: q, k and v written apart ("split"), or silu(gate) * up ("glu"), where the
+    outputs before the last fill whole panels; else the whole output, then split or SwiGLU."""
+    if kind != "one" and self._whole_panels(layer, layer.output_sizes):
+        glu = kind == "glu"
+        ys = int8_product(x, layer, glu=glu, sizes=None if glu else layer.output_sizes)
+        return ys[0] if glu else ys
+    y = int8_product(x, layer)[0]
+    if kind == "glu":
+        return LinearMethod.apply_glu(self, layer, x, y)
+    return list(y.split(layer.output_sizes, -1)) if kind == "split" else y
+
+
+@patch
 def apply(self: Int8Method, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
     if self._kernel(layer, x):
-        return int8_product(x, layer)[0]
+        return self.product(layer, x, "one")
     w, b = self.dense(layer)
     return F.linear(x, w.to(x.dtype), b)
 
 
 @patch
 def apply_split(self: Int8Method, layer: LinearBase, x: torch.Tensor) -> list[torch.Tensor]:
-    """On CPUs one kernel call writes q, k and v apart (each contiguous), when q and k are
-    whole panels."""
-    if self._kernel(layer, x) and self._whole_panels(layer, layer.output_sizes):
-        return int8_product(x, layer, sizes=layer.output_sizes)
+    "On CPUs one kernel call writes q, k and v apart (each contiguous)."
+    if self._kernel(layer, x):
+        return self.product(layer, x, "split")
     return LinearMethod.apply_split(self, layer, x)
 
 
@@ -139,9 +165,9 @@ def apply_split(self: Int8Method, layer: LinearBase, x: torch.Tensor) -> list[to
 def apply_glu(
     self: Int8Method, layer: LinearBase, x: torch.Tensor, y: torch.Tensor | None = None
 ) -> torch.Tensor:
-    "On CPUs one kernel pass computes silu(gate) * up, when the gate's half is whole panels."
-    if y is None and self._kernel(layer, x) and self._whole_panels(layer, layer.output_sizes):
-        return int8_product(x, layer, glu=True)[0]
+    "On CPUs one kernel pass computes silu(gate) * up."
+    if y is None and self._kernel(layer, x):
+        return self.product(layer, x, "glu")
     return LinearMethod.apply_glu(self, layer, x, y)
 
 
@@ -243,6 +269,91 @@ def attend(self: Int8KVAttention, q, k_pool, v_pool, k, v, step: StepInputs) -> 
     used, slots, inner = step.attn
     kd, vd = (dequantize_kv(p.index_select(0, used), q.dtype) for p in (k_pool, v_pool))
     return self.inner.attend(q, kd, vd, kd.flatten(0, 1)[slots], vd.flatten(0, 1)[slots], inner)
+
+
+# %% ../../nbs/08_quantization.ipynb #b629b7b7
+def w8a8_reference(layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)` for an int8 layer, x quantized as prompt rows are (`quantize_int8` over each
+    row, a scale per group of the layer's `group_size` inputs): each group's integer dot products
+    summed exactly (in float64), then added up in float32, group after group, each sum times its
+    column's scale times its row's, rounded once (as a fused multiply-add rounds)."""
+    N, g = layer.out_features, layer.group_size
+    q, xs = quantize_int8(x, g)
+    wq, ws = unpack_panels(layer.weight, N).double(), unpack_panels(layer.scale, N)
+    y = (layer.bias if layer.bias is not None else x.new_zeros(N)).expand(len(x), N)
+    for j in range(x.shape[1] // g):
+        cols = slice(j * g, (j + 1) * g)
+        sums = q[:, cols].double() @ wq[:, cols].T  # exact: at most g products of 127 x 127
+        y = (sums * (ws[None, :, j] * xs[:, j, None]).double() + y.double()).float()
+    return y
+
+# %% ../../nbs/08_quantization.ipynb #4847a63d
+def vnni_order(layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's int8 panels [P, K, 32] in the kernel's order, [P, K / 4, 32, 4], and 128 x the
+    column sums of each group of its weights, [P, K / group, 32] int32."""
+    q, g = layer.weight, layer.group_size
+    P, K, nb = q.shape
+    w = q.view(P, K // 4, 4, nb).transpose(2, 3).contiguous()
+    return w, (q.view(P, K // g, g, nb).sum(2, dtype=torch.int32) * 128).contiguous()
+
+
+class Int8Prompts:
+    """Prompt rows of an int8 layer with int8 activations (`linear_w8a8`, AVX-512 VNNI): each row
+    quantized as `quantize_int8` quantizes weights, a scale per group of the layer's inputs; the
+    path object of chapter 7's `choose_prompt_paths` (`name`, `available`, `held_bytes`, a call)."""
+
+    name, min_rows = "int8 activations (AVX-512 VNNI)", 1
+
+    @staticmethod
+    def available() -> bool:
+        return w8a8_kernels() is not None and panel_width() == 32
+
+    @staticmethod
+    def applies(layer: LinearBase) -> bool:
+        "Groups of whole fours of inputs (the kernel reads four at a time)."
+        return layer.in_features % 4 == 0 and layer.group_size % 4 == 0
+
+    def copy(self, layer: LinearBase) -> tuple:
+        "`vnni_order` of the layer's weight, made when first asked for."
+        return layer_copy(layer, "vnni_panels", vnni_order)
+
+    def held_bytes(self, layer: LinearBase) -> int:
+        "Make the copy now; its bytes."
+        return sum(t.nbytes for t in self.copy(layer))
+
+    def __call__(self, layer: LinearBase, x: torch.Tensor, kind: str):
+        (w, cs), (M, K), N, g = self.copy(layer), x.shape, layer.out_features, layer.group_size
+        q, xs = quantize_int8(x, g)
+        xq, y, b = q.view(torch.uint8) ^ 128, x.new_empty(M, N), layer.bias  # int8 + 128: unsigned
+        w8a8_kernels().linear_w8a8(xq.data_ptr(), xs.data_ptr(), w.data_ptr(), cs.data_ptr(),
+                                   layer.scale.data_ptr(), b.data_ptr() if b is not None else None,
+                                   y.data_ptr(), M, N, K, g, torch.get_num_threads())
+        if kind == "glu":
+            return LinearMethod.apply_glu(layer.method, layer, x, y)
+        return list(y.split(layer.output_sizes, -1)) if kind == "split" else y
+
+
+def choose_int8_prompts(layers: list[LinearBase], prefill_dtype: str) -> tuple[dict, str]:
+    """Chapter 7's `choose_prompt_paths` for int8 layers: with "auto", `Int8Prompts` for each
+    shape where it gives every row the same bits alone as in a batch and runs at least `PAYS` times
+    the int8 kernel's speed; with "float32" (or "bfloat16", whose paths are for float weights), or
+    where the CPU has no VNNI, float32 activations."""
+    path = Int8Prompts()
+    if prefill_dtype != "auto" or not path.available():
+        why = ("as asked" if prefill_dtype == "float32" else "(bf16 products are for float weights)"
+               if prefill_dtype == "bfloat16" else "(no AVX-512 VNNI on this CPU)")
+        return dict.fromkeys(layers), f"int8 weights, prompt rows with float32 activations {why}"
+    mine = [l for l in layers if path.applies(l)]
+    speeds = {s: v[path.name] or 0 for s, v in tuned_speeds(mine, [path]).items()}
+    chosen = {l: path if l in mine and speeds[_shape(l)] >= PAYS else None for l in layers}
+    took = [speeds[_shape(l)] for l in {_shape(l): l for l in mine}.values() if chosen[l]]
+    shapes = len({_shape(l) for l in layers})
+    return chosen, (f"prompt rows (auto): {path.name} for {len(took)} of {shapes} int8 shapes"
+                    + (f" ({min(took):.1f}-{max(took):.1f}x the int8 kernel's speed at {TUNE_ROWS} rows)" if took else "")
+                    + "; decode rows float32 activations")
+
+
+Int8Method.choose_prompt_paths = staticmethod(choose_int8_prompts)
 
 
 # %% ../../nbs/08_quantization.ipynb #c7b2d4b5

@@ -200,7 +200,13 @@ class CPUBackend:
                 layer.set_method(PackedMethod())
         decoder = [m for m in model.model.modules() if isinstance(m, LinearBase)]
         packed = [m for m in decoder if isinstance(m.method, PackedMethod)]
-        chosen, said = choose_prompt_paths(packed, prefill_dtype(config))
+        # a quantized method may choose its layers' prompt paths itself, with chapter 7's signature
+        own = [m for m in decoder if hasattr(m.method, "choose_prompt_paths")]
+        choices = [choose_prompt_paths(packed, prefill_dtype(config))] if packed or not own else []
+        if own:
+            choices.append(own[0].method.choose_prompt_paths(own, prefill_dtype(config)))
+        chosen = {layer: path for c, _ in choices for layer, path in c.items()}
+        said = "; ".join(line for _, line in choices)
         for layer, path in chosen.items():
             layer.method.prompt = path
         self.prompt_paths = {layer: path for layer, path in chosen.items() if path}
@@ -218,8 +224,9 @@ class CPUBackend:
         return ScratchAttention()
 
     def reserve(self, run_step, attention, block_size: int) -> int:
-        """Made now, held across steps: the prompt paths' bf16 copies of the weights, and the one
-        activation area that replayed steps share (none for eager steps); their bytes."""
+        """Made now, held across steps: the prompt paths' copies of the weights (bf16, or chapter
+        8's int8 in its own order), and the one activation area that replayed steps share (none
+        for eager steps); their bytes."""
         copies = sum(path.held_bytes(layer) for layer, path in self.prompt_paths.items())
         if isinstance(run_step, StepGraphs):
             return copies + run_step.reserve(attention, block_size)

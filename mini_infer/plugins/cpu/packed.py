@@ -12,7 +12,7 @@ from mini_infer.plugins.cpu.linear import (
     kernel_applies, linear_glu_packed, linear_kernels, linear_packed, pack_glu, pack_weight,
     unpack_panels,
 )
-from .prompt import PROMPT_ROWS, float32_product
+from .prompt import by_rows, float32_product
 
 
 # %% ../../../nbs/07_cpu_kernels.ipynb #0d4626b3
@@ -84,13 +84,8 @@ class PackedMethod(LinearMethod):
     def product(self, layer: LinearBase, x: torch.Tensor, kind: str):
         """The float32 tile for every row of `x`, but the prompt rows of the step being run, which
         take the `prompt` path where the method has one."""
-        x, rows = x.contiguous(), PROMPT_ROWS.get()
-        if self.prompt is None or rows is None or rows.tokens != len(x):
-            return float32_product(layer, x, kind, self.library)
-        if rows.all:
-            return self.prompt(layer, x, kind)
-        mine = self.prompt(layer, x[rows.prompt].contiguous(), kind)
-        return rows.merge(mine, float32_product(layer, x[rows.other].contiguous(), kind, self.library))
+        mine = self.prompt and (lambda rows: self.prompt(layer, rows, kind))
+        return by_rows(x.contiguous(), mine, lambda rows: float32_product(layer, rows, kind, self.library))
 
     def embed(self, layer: LinearBase, ids: torch.Tensor) -> torch.Tensor:
         "Rows `ids` of the packed table: row n is column n % block of panel n // block."
